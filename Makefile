@@ -1,0 +1,26 @@
+# `make test` and `make demo` set everything up on a fresh machine.
+# A working python3.12 on PATH (pyenv shims can exist without working), else the 3.12 under pyenv root.
+PY312 := $(shell if python3.12 --version >/dev/null 2>&1; then command -v python3.12; \
+	else ls -d "$$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python3.12 2>/dev/null | tail -1; fi)
+VENV := .venv
+PY := $(VENV)/bin/python
+
+.PHONY: venv test demo clean
+
+$(VENV)/.installed: pyproject.toml
+	@test -x "$(PY312)" || (echo "need Python 3.12 (python3.12 on PATH or under pyenv root)"; exit 1)
+	$(PY312) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+venv: $(VENV)/.installed
+
+test: venv
+	$(PY) -m pytest -q -n 2 --dist loadfile tests
+
+demo: venv
+	$(PY) experiments/generate.py --config=configs/default.py
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,48 @@
+"""Attention of new tokens over a cached prefix plus a masked block of themselves.
+
+One signature serves every attention in the engine:
+
+  * prefill:      new = the prompt, ``new_mask`` causal (and padding), prefix empty;
+  * AR decode:    new = one token, ``new_mask`` = [[True]];
+  * chain/tree:   new = the budget+1 tree nodes, ``new_mask`` = ancestor-or-self visibility;
+  * drafter:      prefix = fused context rows, new = the block, ``new_mask`` all True.
+
+Every query sees prefix rows ``[0, prefix_len[b])`` of its own sequence plus the new rows its mask
+allows. The Pallas kernel (``ddtree_jax.pallas.tree_attention``) implements the same contract.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+NEG_INF = -1e30  # finite, so fully masked rows never produce NaN
+
+
+def attend_xla(q, k_cache, v_cache, prefix_len, k_new, v_new, new_mask, *, scale):
+  """Plain-XLA masked attention, the reference for the Pallas kernel.
+
+  Args:
+    q: [B, T, Hq, D] queries (RoPE applied).
+    k_cache, v_cache: [B, Hkv, S, D] cached prefix keys/values (S = static capacity).
+    prefix_len: [B] int32, number of valid prefix rows per sequence.
+    k_new, v_new: [B, T, Hkv, D] keys/values of the new tokens.
+    new_mask: [B, T, T] bool, new_mask[b, i, j]: query i may see new key j.
+    scale: softmax scale (head_dim ** -0.5).
+  Returns:
+    [B, T, Hq, D] in q's dtype. Softmax statistics are float32.
+  """
+  b, t, hq, d = q.shape
+  hkv, s = k_cache.shape[1], k_cache.shape[2]
+  g = hq // hkv
+  qg = q.reshape(b, t, hkv, g, d)
+  s_pre = jnp.einsum("btkgd,bksd->bkgts", qg, k_cache, preferred_element_type=jnp.float32)
+  s_new = jnp.einsum("btkgd,bskd->bkgts", qg, k_new, preferred_element_type=jnp.float32)
+  pre_ok = jnp.arange(s)[None, :] < prefix_len[:, None]  # [B, S]
+  s_pre = jnp.where(pre_ok[:, None, None, None, :], s_pre * scale, NEG_INF)
+  s_new = jnp.where(new_mask[:, None, None, :, :], s_new * scale, NEG_INF)
+  scores = jnp.concatenate([s_pre, s_new], axis=-1)
+  probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+  out = (jnp.einsum("bkgts,bksd->btkgd", probs[..., :s], v_cache, preferred_element_type=jnp.float32)
+         + jnp.einsum("bkgts,bskd->btkgd", probs[..., s:], v_new, preferred_element_type=jnp.float32))
+  return out.reshape(b, t, hq, d).astype(q.dtype)

@@ -1,0 +1,113 @@
+"""Model configuration: the frozen dataclass every function closes over, parsed from HF config.json."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+
+SUPPORTED_MODEL_TYPES = ("qwen3", "llama")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Architecture of a Qwen3-dense or Llama-3 decoder (hashable: usable as a jit static arg)."""
+  model_type: str
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  rms_norm_eps: float = 1e-6
+  rope_theta: float = 10000.0
+  rope_scaling: tuple[tuple[str, float], ...] = ()  # llama3 scaling fields, sorted
+  qk_norm: bool = True
+  tie_word_embeddings: bool = False
+  eos_token_ids: tuple[int, ...] = ()
+  max_position_embeddings: int = 32768
+
+  def __post_init__(self):
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(f"num_attention_heads={self.num_heads} is not a multiple of "
+                       f"num_key_value_heads={self.num_kv_heads}")
+
+  def inv_freq(self) -> np.ndarray:
+    """RoPE inverse frequencies [head_dim // 2] (float64), with llama3 scaling when configured."""
+    inv = 1.0 / (self.rope_theta ** (np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim))
+    if not self.rope_scaling:
+      return inv
+    s = dict(self.rope_scaling)
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    scaled = np.where(wavelen > old_len / low, inv / factor, inv)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return np.where(medium, smoothed, scaled)
+
+
+# Fields that change the architecture in ways we do not implement: refuse rather than be wrong.
+_REFUSE_IF_TRUE = ("attention_bias", "mlp_bias", "use_sliding_window")
+
+
+def _rope_settings(cfg: dict[str, Any]) -> tuple[float, tuple]:
+  """rope_theta and llama3 scaling from top-level fields or nested `rope_parameters`."""
+  params = dict(cfg.get("rope_parameters") or {})
+  scaling = dict(cfg.get("rope_scaling") or {})
+  merged = {**scaling, **params}
+  theta = merged.get("rope_theta", cfg.get("rope_theta", 10000.0))
+  rope_type = merged.get("rope_type", merged.get("type", "default"))
+  if rope_type == "default":
+    return float(theta), ()
+  if rope_type != "llama3":
+    raise ValueError(f"unsupported rope_type {rope_type!r} (supported: 'default', 'llama3')")
+  keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+  missing = [k for k in keys if k not in merged]
+  if missing:
+    raise ValueError(f"llama3 rope scaling is missing fields {missing}")
+  return float(theta), tuple(sorted((k, float(merged[k])) for k in keys))
+
+
+def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
+  """Parses a Hugging Face config.json dict for Qwen3 (dense) or Llama; raises on what we lack."""
+  model_type = cfg.get("model_type")
+  if model_type not in SUPPORTED_MODEL_TYPES:
+    raise ValueError(f"unsupported model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
+  for key in _REFUSE_IF_TRUE:
+    if cfg.get(key):
+      raise ValueError(f"unsupported config field {key}={cfg[key]!r} for {model_type}")
+  if cfg.get("hidden_act", "silu") != "silu":
+    raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r} (only 'silu')")
+  layer_types = cfg.get("layer_types")
+  if layer_types and any(t != "full_attention" for t in layer_types):
+    raise ValueError(f"unsupported layer_types {sorted(set(layer_types))} (only full_attention)")
+  for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads"):
+    if key not in cfg:
+      raise ValueError(f"config.json lacks required field {key!r}")
+  heads = cfg["num_attention_heads"]
+  eos = cfg.get("eos_token_id")
+  eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+  theta, scaling = _rope_settings(cfg)
+  return ModelConfig(
+      model_type=model_type,
+      vocab_size=cfg["vocab_size"],
+      hidden_size=cfg["hidden_size"],
+      intermediate_size=cfg["intermediate_size"],
+      num_layers=cfg["num_hidden_layers"],
+      num_heads=heads,
+      num_kv_heads=cfg.get("num_key_value_heads") or heads,
+      head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+      rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+      rope_theta=theta,
+      rope_scaling=scaling,
+      qk_norm=model_type == "qwen3",
+      tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+      eos_token_ids=eos,
+      max_position_embeddings=cfg.get("max_position_embeddings", 32768),
+  )

@@ -1,0 +1,163 @@
+"""The decode loop: prefill, then one jitted step per static (method, budget, batch, capacity).
+
+Every method is the same step with a different tree: AR verifies the root alone, chain verifies
+[bonus, greedy drafts] causally, DDTree verifies the best `budget`-node tree. The loop runs in
+`lax.while_loop` on device; the host sees the results once, at the end.
+
+  draft -> build tree -> verify (one target forward) -> accept -> commit (target + drafter caches)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from ddtree_jax import model
+from ddtree_jax import tree as tree_lib
+from ddtree_jax import verify
+from ddtree_jax.attention import attend_xla
+
+METHODS = ("ar", "chain", "ddtree")
+ATTENTIONS = ("xla", "pallas")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopConfig:
+  """Static settings of one compiled decode program."""
+  method: str
+  max_new_tokens: int
+  num_drafts: int = 0             # L = drafter block size - 1 (0 for AR)
+  budget: int = 0                 # non-root tree nodes (ddtree)
+  topk_cap: int | None = None
+  temperature: float = 0.0
+  stop_ids: tuple[int, ...] = ()
+  attention: str = "xla"
+
+  @property
+  def attn_fn(self):
+    if self.attention == "pallas":
+      from ddtree_jax.pallas import tree_attention  # pylint: disable=import-outside-toplevel
+      return tree_attention.tree_attention
+    return attend_xla
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DecodeState:
+  cache: model.KVCache                   # target K/V of committed tokens
+  draft_cache: model.KVCache | None      # drafter context K/V (same lens), None for AR
+  bonus: jax.Array                       # [B] last emitted token, not yet in the cache
+  out: jax.Array                         # [B, M] emitted tokens
+  n_out: jax.Array                       # [B] tokens emitted so far
+  done: jax.Array                        # [B] bool
+  accepted: jax.Array                    # [M, B] tokens committed at each step (0 once done)
+  step: jax.Array                        # [] int32
+  key: jax.Array                         # PRNG key
+
+
+def _root_tree(bonus):
+  """AR: a tree of the root alone."""
+  b = bonus.shape[0]
+  return tree_lib.DraftTree(tokens=bonus[:, None].astype(jnp.int32),
+                            parents=jnp.full((b, 1), -1, jnp.int32),
+                            depths=jnp.zeros((b, 1), jnp.int32),
+                            scores=jnp.zeros((b, 1), jnp.float32),
+                            visibility=jnp.ones((b, 1, 1), bool))
+
+
+def _stop_and_emit(lc: LoopConfig, state: DecodeState, emitted, tau):
+  """How many of `emitted` [B, W] each sequence keeps: tau, cut at max_new_tokens and after the
+  first stop token. Returns (count [B], hit_stop [B])."""
+  r = jnp.arange(emitted.shape[1])[None]
+  count = jnp.where(state.done, 0, jnp.minimum(tau, lc.max_new_tokens - state.n_out))
+  if not lc.stop_ids:
+    return count, jnp.zeros_like(state.done)
+  is_stop = jnp.isin(emitted, jnp.asarray(lc.stop_ids, jnp.int32)) & (r < count[:, None])
+  hit = jnp.any(is_stop, axis=1)
+  return jnp.where(hit, jnp.argmax(is_stop, axis=1) + 1, count).astype(jnp.int32), hit
+
+
+def _advance(lc, dparams, dcfg, state, new_k, new_v, taps, src, emitted, tau, key):
+  """Commits `count` rows (src [B, W] of the verified block) and emits their tokens."""
+  count, hit = _stop_and_emit(lc, state, emitted, tau)
+  draft_cache = state.draft_cache
+  if draft_cache is not None:  # the drafter gets the committed nodes' features, root included
+    rows = jnp.take_along_axis(taps, src[:, :, None], axis=1)
+    pos = draft_cache.lens[:, None] + jnp.arange(src.shape[1], dtype=jnp.int32)[None]
+    dk, dv = dcfg.context(dparams, rows, pos)
+    ident = jnp.broadcast_to(jnp.arange(src.shape[1], dtype=jnp.int32), src.shape)
+    draft_cache = model.commit(draft_cache, dk, dv, ident, count)
+  cache = model.commit(state.cache, new_k, new_v, src, count)
+  b, w = emitted.shape
+  r = jnp.arange(w, dtype=jnp.int32)[None]
+  dst = jnp.where(r < count[:, None], state.n_out[:, None] + r, lc.max_new_tokens)
+  out = state.out.at[jnp.arange(b)[:, None], dst].set(emitted, mode="drop")
+  last = jnp.take_along_axis(emitted, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
+  n_out = state.n_out + count
+  return DecodeState(
+      cache=cache, draft_cache=draft_cache,
+      bonus=jnp.where(count > 0, last, state.bonus), out=out, n_out=n_out,
+      done=state.done | hit | (n_out >= lc.max_new_tokens),
+      accepted=state.accepted.at[state.step].set(count), step=state.step + 1, key=key)
+
+
+def step(tparams, tcfg, dparams, dcfg, lc: LoopConfig, state: DecodeState) -> DecodeState:
+  """One speculative step for every sequence of the batch."""
+  key, pick_key = jax.random.split(state.key)
+  if lc.method == "ar":
+    tree, taps_at = _root_tree(state.bonus), ()
+  else:
+    logits = dcfg.draft(dparams, tparams, state.draft_cache, state.bonus, lc.attn_fn)
+    if lc.method == "chain":
+      tree = tree_lib.chain_tree(logits, state.bonus)
+    else:
+      tree = tree_lib.build_tree(logits, lc.budget, lc.topk_cap, root_token=state.bonus)
+    taps_at = dcfg.target_layer_ids
+  logits, new_k, new_v, taps = verify.verify_tree(tparams, tcfg, state.cache, tree.tokens,
+                                                  tree.depths, tree.visibility, taps_at,
+                                                  lc.attn_fn)
+  post = verify.pick(logits, lc.temperature, pick_key)
+  path, tau, emitted = verify.accept(tree.tokens, tree.parents, tree.depths, tree.visibility,
+                                     post, lc.num_drafts)
+  return _advance(lc, dparams, dcfg, state, new_k, new_v, taps, path, emitted, tau, key)
+
+
+@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "lc", "capacity"))
+def prefill(tparams, dparams, tokens, lens, key, *, tcfg, dcfg, lc: LoopConfig, capacity: int):
+  """Prompts [B, T] (right-padded, true lengths `lens`) -> the initial DecodeState."""
+  b, t = tokens.shape
+  cache = model.init_cache(tcfg.num_layers, b, tcfg.num_kv_heads, capacity, tcfg.head_dim,
+                           tparams.embed.dtype)
+  positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  taps_at = () if dcfg is None else dcfg.target_layer_ids
+  hidden, new_k, new_v, taps = model.forward(tparams, tcfg, tokens, positions, cache,
+                                             model.causal_mask(lens, t), taps_at, lc.attn_fn)
+  cache = model.commit(cache, new_k, new_v, positions, lens)
+  draft_cache = None
+  if dcfg is not None:
+    dl = dcfg.layers
+    dk, dv = dcfg.context(dparams, taps, positions)
+    draft_cache = model.init_cache(dl.num_layers, b, dl.num_kv_heads, capacity, dl.head_dim,
+                                   dk[0].dtype)
+    draft_cache = model.commit(draft_cache, dk, dv, positions, lens)
+  last = jnp.take_along_axis(hidden, (lens - 1)[:, None, None], axis=1)[:, 0]
+  key, pick_key = jax.random.split(key)
+  first = verify.pick(model.lm_head(tparams, last), lc.temperature, pick_key)
+  m = lc.max_new_tokens
+  done = jnp.isin(first, jnp.asarray(lc.stop_ids, jnp.int32)) | (m <= 1)
+  return DecodeState(
+      cache=cache, draft_cache=draft_cache, bonus=first,
+      out=jnp.zeros((b, m), jnp.int32).at[:, 0].set(first), n_out=jnp.ones((b,), jnp.int32),
+      done=done, accepted=jnp.zeros((m, b), jnp.int32), step=jnp.zeros((), jnp.int32), key=key)
+
+
+@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "lc"), donate_argnames=("state",))
+def decode_loop(tparams, dparams, state, *, tcfg, dcfg, lc: LoopConfig):
+  """Steps until every sequence is done, all inside one `lax.while_loop`."""
+  max_steps = max(lc.max_new_tokens - 1, 0)  # every active step emits at least one token
+  cond = lambda s: (s.step < max_steps) & ~jnp.all(s.done)
+  body = lambda s: step(tparams, tcfg, dparams, dcfg, lc, s)
+  return jax.lax.while_loop(cond, body, state)

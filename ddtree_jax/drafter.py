@@ -1,0 +1,88 @@
+"""DFlash block-diffusion drafter (arXiv 2602.06036), as pure functions.
+
+Context: taps of the target's `target_layer_ids` (residual outputs), concatenated -> fc ->
+hidden_norm, then in EVERY layer the layer's own k_proj/v_proj (+ k_norm, RoPE at the token's
+position) give context K/V rows, kept in a per-layer cache that grows by the accepted tokens.
+Block: target embeddings of [bonus, MASK x (bs-1)] at positions start..start+bs-1, queries from the
+block only, non-causal over [context; block]. Output slot j (1..bs-1) is the distribution of the
+token AT position start+j: the drafter's final norm, then the target's lm_head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from ddtree_jax import model
+from ddtree_jax.attention import attend_xla
+from ddtree_jax.config import ModelConfig
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterConfig:
+  layers: ModelConfig             # shapes of the drafter's decoder layers (num_layers = depth)
+  block_size: int
+  mask_token_id: int
+  target_layer_ids: tuple[int, ...]
+
+  @property
+  def num_drafts(self) -> int:
+    """L = bs - 1 draft positions per block."""
+    return self.block_size - 1
+
+  # The decode loop talks to a drafter only through these two methods (tests plug in oracles).
+  def draft(self, params, target_params, cache, bonus, attn_fn=attend_xla):
+    return draft_logits(params, self, target_params, cache, bonus, attn_fn)
+
+  def context(self, params, taps, positions):
+    return context_kv(params, self, taps, positions)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DrafterParams:
+  fc: Array                       # [k*H, H]
+  hidden_norm: Array              # [H]
+  layers: list[model.LayerParams]
+  final_norm: Array               # [H]
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+  """The published default: n ids spread evenly over [1, L - 3]."""
+  if num_draft_layers == 1:
+    return (num_target_layers // 2,)
+  span = num_target_layers - 4
+  return tuple(int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers))
+
+
+def context_kv(params: DrafterParams, cfg: DrafterConfig, taps, positions):
+  """Fused context rows -> per-layer K/V. taps [B, R, k*H], positions [B, R] -> lists [B, R, K, D]."""
+  lc = cfg.layers
+  ctx = model.rms_norm(taps.astype(params.fc.dtype) @ params.fc, params.hidden_norm, lc.rms_norm_eps)
+  cos, sin = model.rope_tables(lc, positions, ctx.dtype)
+  kv = [model.project_kv(layer, lc, ctx, cos, sin) for layer in params.layers]
+  return [k for k, _ in kv], [v for _, v in kv]
+
+
+def draft_logits(params: DrafterParams, cfg: DrafterConfig, target_params: model.Params,
+                 cache: model.KVCache, bonus, attn_fn=attend_xla):
+  """One block of drafts. cache: drafter context K/V with lens = committed length (= block start);
+  bonus [B] int32. Returns float32 logits [B, bs-1, V] for positions start+1..start+bs-1."""
+  lc, bs = cfg.layers, cfg.block_size
+  b = bonus.shape[0]
+  block = jnp.concatenate([bonus[:, None].astype(jnp.int32),
+                           jnp.full((b, bs - 1), cfg.mask_token_id, jnp.int32)], axis=1)
+  x = target_params.embed[block].astype(params.fc.dtype)
+  positions = cache.lens[:, None] + jnp.arange(bs, dtype=jnp.int32)[None]
+  cos, sin = model.rope_tables(lc, positions, x.dtype)
+  full = jnp.ones((b, bs, bs), bool)
+  for i, layer in enumerate(params.layers):
+    x, _, _ = model.attention_block(layer, lc, x, cos, sin, cache.k[i], cache.v[i], cache.lens,
+                                    full, attn_fn)
+    x = model.mlp_block(layer, lc, x)
+  hidden = model.rms_norm(x[:, 1:], params.final_norm, lc.rms_norm_eps)
+  return model.lm_head(target_params, hidden.astype(target_params.embed.dtype))

@@ -1,0 +1,173 @@
+"""Public entry points: validate a request, pad it to static shapes, run prefill + decode loop."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ddtree_jax import decode
+from ddtree_jax import drafter as drafter_lib
+from ddtree_jax import model
+from ddtree_jax.checkpoint import Drafter, Target
+
+MAX_BUDGET = 1024
+
+
+@dataclasses.dataclass
+class GenerateResult:
+  tokens: list[list[int]]          # new tokens per prompt, cut after the first stop token
+  stats: dict[str, Any]
+
+
+def _round_up(x: int, m: int) -> int:
+  return -(-x // m) * m
+
+
+def _default_attention() -> str:
+  return "pallas" if jax.default_backend() == "gpu" else "xla"
+
+
+def _validate(target, prompts, method, max_new_tokens, drafter, budget, topk_cap, attention,
+              temperature):
+  if method not in decode.METHODS:
+    raise ValueError(f"unknown method {method!r}; choose one of {decode.METHODS}")
+  if attention not in decode.ATTENTIONS:
+    raise ValueError(f"unknown attention {attention!r}; choose one of {decode.ATTENTIONS}")
+  if not prompts:
+    raise ValueError("prompts is empty: give at least one prompt")
+  for i, p in enumerate(prompts):
+    if len(p) == 0:
+      raise ValueError(f"prompt {i} is empty")
+    bad = [t for t in p if not 0 <= int(t) < target.config.vocab_size]
+    if bad:
+      raise ValueError(f"prompt {i} has token ids {bad[:5]} outside [0, {target.config.vocab_size})")
+  if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+  if temperature < 0:
+    raise ValueError(f"temperature must be >= 0, got {temperature}")
+  if method != "ar" and drafter is None:
+    raise ValueError(f"method {method!r} needs a drafter (generate(..., drafter=load_drafter(...)))")
+  if method == "ddtree":
+    if budget is None or not 1 <= budget <= MAX_BUDGET:
+      raise ValueError(f"ddtree budget must be in [1, {MAX_BUDGET}], got {budget!r}")
+    if topk_cap is not None and topk_cap < 1:
+      raise ValueError(f"topk_cap must be >= 1 or None, got {topk_cap!r}")
+  elif budget is not None and method == "ar":
+    raise ValueError("budget is only meaningful for method='ddtree'")
+  if drafter is not None and method != "ar":
+    if drafter.config.layers.hidden_size != target.config.hidden_size:
+      raise ValueError("drafter and target hidden sizes differ")
+
+
+_PROGRAMS: dict = {}
+
+
+def _programs(args, capacity, statics):
+  """AOT-compiled (prefill, decode loop), cached by every static that shapes them."""
+  key = (capacity, tuple(sorted(statics.items(), key=lambda kv: kv[0])),
+         jax.tree.structure(args), tuple((x.shape, x.dtype) for x in jax.tree.leaves(args)))
+  if key not in _PROGRAMS:
+    prefill = decode.prefill.lower(*args, capacity=capacity, **statics).compile()
+    state = jax.eval_shape(lambda *a: decode.prefill(*a, capacity=capacity, **statics), *args)
+    loop = decode.decode_loop.lower(args[0], args[1], state, **statics).compile()
+    _PROGRAMS[key] = (prefill, loop)
+  return _PROGRAMS[key]
+
+
+def generate(target: Target, prompts: Sequence[Sequence[int]], *, method: str = "ar",
+             max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
+             stop_token_ids=None, drafter: Drafter | None = None, budget: int | None = None,
+             topk_cap: int | None = None, cache_capacity: int | None = None,
+             attention: str | None = None) -> GenerateResult:
+  """Generates up to `max_new_tokens` per prompt with AR, chain (DFlash) or DDTree decoding.
+
+  The cache holds `cache_capacity` rows per sequence (default: the longest prompt plus
+  max_new_tokens, rounded up to 128); requests that do not fit are refused, never clamped.
+  """
+  attention = attention or _default_attention()
+  _validate(target, prompts, method, max_new_tokens, drafter, budget, topk_cap, attention,
+            temperature)
+  stop = target.config.eos_token_ids if stop_token_ids is None else tuple(stop_token_ids)
+  lens = np.array([len(p) for p in prompts], np.int32)
+  need = int(lens.max()) + max_new_tokens - 1
+  capacity = cache_capacity or _round_up(need, 128)
+  if need > capacity:
+    raise ValueError(f"prompt of {lens.max()} tokens + max_new_tokens {max_new_tokens} needs "
+                     f"{need} cache rows; cache_capacity is {capacity}")
+  t = _round_up(int(lens.max()), 16)
+  tokens = np.zeros((len(prompts), t), np.int32)
+  for i, p in enumerate(prompts):
+    tokens[i, :len(p)] = p
+  use_drafter = method != "ar"
+  dcfg = drafter.config if use_drafter else None
+  dparams = drafter.params if use_drafter else None
+  lc = decode.LoopConfig(
+      method=method, max_new_tokens=int(max_new_tokens),
+      num_drafts=dcfg.num_drafts if use_drafter else 0,
+      budget=int(budget) if method == "ddtree" else 0, topk_cap=topk_cap,
+      temperature=float(temperature), stop_ids=tuple(int(s) for s in stop), attention=attention)
+  statics = dict(tcfg=target.config, dcfg=dcfg, lc=lc)
+  args = (target.params, dparams, jnp.asarray(tokens), jnp.asarray(lens),
+          jax.random.key(seed))
+
+  t0 = time.perf_counter()
+  prefill, loop = _programs(args, capacity, statics)
+  t1 = time.perf_counter()
+  state = jax.block_until_ready(prefill(*args))
+  t2 = time.perf_counter()
+  state = jax.block_until_ready(loop(target.params, dparams, state))
+  t3 = time.perf_counter()
+
+  out, n_out, accepted, steps = jax.device_get((state.out, state.n_out, state.accepted, state.step))
+  steps = int(steps)
+  per_seq = [[int(a) for a in accepted[:steps, b] if a > 0] for b in range(len(prompts))]
+  flat = [a for seq in per_seq for a in seq]
+  new_in_loop = int(n_out.sum()) - len(prompts)
+  return GenerateResult(
+      tokens=[out[b, :n_out[b]].tolist() for b in range(len(prompts))],
+      stats={
+          "method": method, "budget": lc.budget, "steps": steps,
+          "tau": float(np.mean(flat)) if flat else 0.0,
+          "acceptance_lengths": per_seq,
+          "tokens_per_second": new_in_loop / (t3 - t2) if new_in_loop else 0.0,
+          "compile_seconds": t1 - t0, "prefill_seconds": t2 - t1, "decode_seconds": t3 - t2,
+          "cache_capacity": capacity, "attention": attention,
+      })
+
+
+@jax.jit
+def _forward_logits(params, token_ids, *, cfg):
+  b, t = token_ids.shape
+  cache = model.init_cache(cfg.num_layers, b, cfg.num_kv_heads, 0, cfg.head_dim, params.embed.dtype)
+  positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  hidden, *_ = model.forward(params, cfg, token_ids, positions, cache,
+                             model.causal_mask(jnp.full((b,), t), t))
+  return model.lm_head(params, hidden)
+
+
+def forward_logits(target: Target, token_ids) -> jax.Array:
+  """Plain causal forward, no cache: token_ids [B, T] -> float32 logits [B, T, V]."""
+  token_ids = jnp.asarray(token_ids, jnp.int32)
+  if token_ids.ndim != 2:
+    raise ValueError(f"token_ids must be [B, T], got shape {token_ids.shape}")
+  return jax.jit(_forward_logits.__wrapped__, static_argnames=("cfg",))(
+      target.params, token_ids, cfg=target.config)
+
+
+def draft_logits(target: Target, drafter: Drafter, prompt: Sequence[int]) -> jax.Array:
+  """The drafter's logits [bs-1, V] for the first block after `prompt` (greedy bonus)."""
+  if len(prompt) == 0:
+    raise ValueError("prompt is empty")
+  state = decode.prefill(
+      target.params, drafter.params, jnp.asarray([list(prompt)], jnp.int32),
+      jnp.asarray([len(prompt)], jnp.int32), jax.random.key(0), tcfg=target.config,
+      dcfg=drafter.config, lc=decode.LoopConfig(method="chain", max_new_tokens=2,
+                                                num_drafts=drafter.config.num_drafts),
+      capacity=len(prompt))
+  return drafter_lib.draft_logits(drafter.params, drafter.config, target.params,
+                                  state.draft_cache, state.bonus)[0]

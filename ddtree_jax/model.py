@@ -1,0 +1,195 @@
+"""Qwen3-dense / Llama-3 decoder as pure functions over a registered-dataclass params pytree.
+
+Shapes: B batch, T new tokens, H hidden, N query heads, K kv heads, D head_dim, I MLP width,
+V vocab, S cache capacity. Weights are stored [in, out] (x @ W), split by head for sharding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ddtree_jax.attention import attend_xla
+from ddtree_jax.config import ModelConfig
+
+Array = jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LayerParams:
+  input_norm: Array        # [H]
+  wq: Array                # [H, N, D]
+  wkv: Array               # [H, 2, K, D]  (k, v)
+  wo: Array                # [N, D, H]
+  q_norm: Array | None     # [D] (Qwen3) or None (Llama)
+  k_norm: Array | None     # [D]
+  post_norm: Array         # [H]
+  w_gate_up: Array         # [H, 2, I]  (gate, up)
+  w_down: Array            # [I, H]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Params:
+  embed: Array             # [V, H]
+  layers: list[LayerParams]
+  final_norm: Array        # [H]
+  lm_head: Array | None    # [H, V], None when tied to embed
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+  """Per-layer K/V of committed tokens; rows [0, lens[b]) of sequence b are valid."""
+  k: list[Array]           # per layer [B, K, S, D]
+  v: list[Array]           # per layer [B, K, S, D]
+  lens: Array              # [B] int32
+
+  @property
+  def capacity(self) -> int:
+    return self.k[0].shape[2]
+
+
+def init_cache(num_layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int,
+               dtype) -> KVCache:
+  shape = (batch, kv_heads, capacity, head_dim)
+  zeros = lambda: [jnp.zeros(shape, dtype) for _ in range(num_layers)]
+  return KVCache(k=zeros(), v=zeros(), lens=jnp.zeros((batch,), jnp.int32))
+
+
+def commit(cache: KVCache, new_k, new_v, src, count) -> KVCache:
+  """Appends selected new rows to every layer's cache, in place when donated.
+
+  new_k/new_v: per layer [B, T, K, D]; src [B, R] int32 rows of the new block to keep, in order;
+  count [B] int32 <= R: how many of them are committed. Row r goes to cache row lens + r; rows
+  r >= count get an out-of-range index and are dropped (never clamped onto other rows).
+  """
+  b, r = src.shape
+  dst = cache.lens[:, None] + jnp.arange(r, dtype=jnp.int32)[None]
+  dst = jnp.where(jnp.arange(r)[None] < count[:, None], dst, cache.capacity)
+  bi = jnp.arange(b)[:, None]
+
+  def put(buf, rows):
+    rows = jnp.take_along_axis(rows, src[:, :, None, None], axis=1)  # [B, R, K, D]
+    return buf.at[bi, :, dst].set(rows.astype(buf.dtype), mode="drop")
+
+  return KVCache(k=[put(c, n) for c, n in zip(cache.k, new_k)],
+                 v=[put(c, n) for c, n in zip(cache.v, new_v)],
+                 lens=cache.lens + count)
+
+
+def rms_norm(x, weight, eps):
+  """Qwen3/Llama RMSNorm: normalise in float32, cast back, then scale."""
+  xf = x.astype(jnp.float32)
+  xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+  return weight * xf.astype(x.dtype)
+
+
+def rope_tables(cfg: ModelConfig, positions, dtype):
+  """cos/sin [B, T, D] for absolute positions [B, T] (rotate-half layout, as HF)."""
+  inv = jnp.asarray(cfg.inv_freq(), jnp.float32)
+  freqs = positions.astype(jnp.float32)[..., None] * inv
+  emb = jnp.concatenate([freqs, freqs], axis=-1)
+  return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+
+
+def apply_rope(x, cos, sin):
+  """x [B, T, heads, D] rotated by cos/sin [B, T, D]."""
+  half = x.shape[-1] // 2
+  rot = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+  return x * cos[:, :, None] + rot * sin[:, :, None]
+
+
+def project_qkv(layer: LayerParams, cfg: ModelConfig, h, cos, sin):
+  """Normed input h [B, T, H] -> q [B, T, N, D], k, v [B, T, K, D] (q/k normed and RoPE'd)."""
+  q = jnp.einsum("bth,hnd->btnd", h, layer.wq)
+  k, v = project_kv(layer, cfg, h, cos, sin)
+  if layer.q_norm is not None:
+    q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
+  return apply_rope(q, cos, sin), k, v
+
+
+def project_kv(layer: LayerParams, cfg: ModelConfig, h, cos, sin):
+  """h [B, T, H] -> k, v [B, T, K, D]; k normed (Qwen3) and RoPE'd."""
+  kv = jnp.einsum("bth,hskd->sbtkd", h, layer.wkv)
+  k, v = kv[0], kv[1]
+  if layer.k_norm is not None:
+    k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+  return apply_rope(k, cos, sin), v
+
+
+def attention_block(layer, cfg, x, cos, sin, k_cache, v_cache, prefix_len, new_mask, attn_fn):
+  """Residual attention sub-block; also returns the new rows' k, v [B, T, K, D]."""
+  h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+  q, k, v = project_qkv(layer, cfg, h, cos, sin)
+  o = attn_fn(q, k_cache, v_cache, prefix_len, k, v, new_mask, scale=cfg.head_dim ** -0.5)
+  return x + jnp.einsum("btnd,ndh->bth", o, layer.wo), k, v
+
+
+def mlp_block(layer, cfg, x):
+  h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
+  gu = jnp.einsum("bth,hsi->sbti", h, layer.w_gate_up)
+  return x + jnp.einsum("bti,ih->bth", jax.nn.silu(gu[0]) * gu[1], layer.w_down)
+
+
+def forward(params: Params, cfg: ModelConfig, tokens, positions, cache: KVCache, new_mask,
+            tap_layers: tuple[int, ...] = (), attn_fn: Callable = attend_xla):
+  """Target forward of new tokens over the cached prefix (the cache is not modified).
+
+  Args:
+    tokens, positions: [B, T] int32. new_mask: [B, T, T] bool visibility among the new tokens.
+    tap_layers: layer ids whose residual outputs are returned (HF hidden_states[id + 1]).
+  Returns:
+    hidden [B, T, H] after the final norm; new_k, new_v: per layer [B, T, K, D];
+    taps [B, T, len(tap_layers) * H] (concatenated in tap_layers order) or None.
+  """
+  x = params.embed[tokens]
+  cos, sin = rope_tables(cfg, positions, x.dtype)
+  new_k, new_v, taps = [], [], {}
+  for i, layer in enumerate(params.layers):
+    x, k, v = attention_block(layer, cfg, x, cos, sin, cache.k[i], cache.v[i], cache.lens,
+                              new_mask, attn_fn)
+    x = mlp_block(layer, cfg, x)
+    new_k.append(k)
+    new_v.append(v)
+    if i in tap_layers:
+      taps[i] = x
+  hidden = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
+  tapped = jnp.concatenate([taps[i] for i in tap_layers], axis=-1) if tap_layers else None
+  return hidden, new_k, new_v, tapped
+
+
+def lm_head(params: Params, hidden):
+  """hidden [..., H] -> float32 logits [..., V] (tied embeddings use embed.T)."""
+  if params.lm_head is None:
+    return jnp.einsum("...h,vh->...v", hidden, params.embed, preferred_element_type=jnp.float32)
+  return jnp.einsum("...h,hv->...v", hidden, params.lm_head, preferred_element_type=jnp.float32)
+
+
+def causal_mask(lens, t: int):
+  """[B, T, T] causal mask among T new tokens, key j visible only if j < lens[b] (padding)."""
+  i = jnp.arange(t)
+  return (i[None, :, None] >= i[None, None, :]) & (i[None, None, :] < lens[:, None, None])
+
+
+def init_params(cfg: ModelConfig, key, dtype=jnp.bfloat16, std: float = 0.02) -> Params:
+  """Random weights (benchmarks and tests); norms near 1."""
+  h, n, k, d, i = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+  keys = iter(jax.random.split(key, 8 * cfg.num_layers + 3))
+  w = lambda *shape: (std * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
+  ones = lambda m: jnp.ones((m,), dtype)
+  layers = [LayerParams(
+      input_norm=ones(h), wq=w(h, n, d), wkv=w(h, 2, k, d), wo=w(n, d, h),
+      q_norm=ones(d) if cfg.qk_norm else None, k_norm=ones(d) if cfg.qk_norm else None,
+      post_norm=ones(h), w_gate_up=w(h, 2, i), w_down=w(i, h)) for _ in range(cfg.num_layers)]
+  return Params(embed=w(cfg.vocab_size, h), layers=layers, final_norm=ones(h),
+                lm_head=None if cfg.tie_word_embeddings else w(h, cfg.vocab_size))
+
+
+def param_bytes(params) -> int:
+  return int(sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(params)))

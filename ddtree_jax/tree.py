@@ -1,0 +1,161 @@
+"""The optimal DDTree draft tree, built on device with static shapes (DESIGN.md section 3).
+
+The score of a prefix u = (u_1..u_d) is sum_i log q_i(u_i). The optimal tree with budget B is the
+set of the B highest-scoring prefixes; it is prefix-closed. The published builder is a CPU heap
+(pop the best prefix, push its next sibling and its first child). Here the same set (up to ties)
+is built with a per-depth beam:
+
+  * keep the top-K tokens of every depth, K = min(B, topk_cap, V);
+  * beam_1 = top-K tokens of depth 1; beam_d = top-B of beam_{d-1} x top-K(depth d), where only
+    (parent rank j, token rank r) pairs with (j+1)(r+1) <= B are built (any other pair is beaten
+    by at least B prefixes of its depth);
+  * the tree = top-B over all beams, ties broken by depth ascending (stable top-k over the beams
+    laid out depth by depth), so a parent always precedes its child.
+
+Output order is that top-B order: descending score (the heap's pop order), which is topological.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+LOGQ_FLOOR = -1e30  # finite floor for log q, so real prefixes always beat the -inf beam padding
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DraftTree:
+  """A flattened draft tree of N = budget + 1 nodes; index 0 is the root (pending bonus token).
+
+  tokens:     [..., N] int32, tokens[..., 0] = root token (or -1).
+  parents:    [..., N] int32, parents[..., 0] = -1, parents[i] < i.
+  depths:     [..., N] int32, depth 0 = root; node i drafts position start + depths[i].
+  scores:     [..., N] float32, sum of log q along the prefix (root 0.0).
+  visibility: [..., N, N] bool, visibility[i, j] = j is an ancestor-or-self of i.
+  """
+  tokens: jax.Array
+  parents: jax.Array
+  depths: jax.Array
+  scores: jax.Array
+  visibility: jax.Array
+
+
+def num_prefixes(depth: int, k: int, cap: int) -> int:
+  """sum_{d=1..depth} k^d, saturated just above cap."""
+  total, power = 0, 1
+  for _ in range(depth):
+    power *= k
+    total += power
+    if total > cap:
+      break
+  return total
+
+
+def _pairs(budget: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+  """Static (parent rank j, token rank r) pairs with (j+1)(r+1) <= budget, r < k."""
+  pj = [j for j in range(budget) for _ in range(min(k, budget // (j + 1)))]
+  pr = [r for j in range(budget) for r in range(min(k, budget // (j + 1)))]
+  return np.asarray(pj, np.int32), np.asarray(pr, np.int32)
+
+
+def _build_one(draft_logits, root_token, budget: int, k: int) -> DraftTree:
+  """Unbatched build: draft_logits [L, V], root_token scalar int32."""
+  depth, n = draft_logits.shape[0], budget + 1
+  logits = draft_logits.astype(jnp.float32)
+  top_vals, top_toks = jax.lax.top_k(logits, k)  # [L, K]
+  logq = jnp.maximum(top_vals - jax.nn.logsumexp(logits, axis=-1, keepdims=True), LOGQ_FLOOR)
+  pad = budget - k
+  # Depth-1 beam: the top-K tokens, padded to B with invalid (-inf) entries.
+  score1 = jnp.pad(logq[0], (0, pad), constant_values=-jnp.inf)
+  tok1 = jnp.pad(top_toks[0], (0, pad), constant_values=-1)
+  par1 = jnp.zeros((budget,), jnp.int32)
+  pj, pr = map(jnp.asarray, _pairs(budget, k))
+
+  def step(beam_score, xs):  # beam_{d-1} -> beam_d
+    logq_d, toks_d = xs
+    cand = beam_score[pj] + logq_d[pr]  # [P], P >= B
+    score, idx = jax.lax.top_k(cand, budget)
+    return score, (score, toks_d[pr[idx]], pj[idx])
+
+  _, (score_r, tok_r, par_r) = jax.lax.scan(step, score1, (logq[1:], top_toks[1:]))
+  beam_score = jnp.concatenate([score1[None], score_r])  # [L, B]
+  beam_tok = jnp.concatenate([tok1[None], tok_r])
+  beam_par = jnp.concatenate([par1[None], par_r])  # rank in beam_{d-1}
+
+  # Global top-B; stable top-k over the depth-major layout breaks ties by depth ascending.
+  scores, flat = jax.lax.top_k(beam_score.reshape(-1), budget, is_stable=True)
+  node_depth = flat // budget  # 0-based, = tree depth - 1
+  # Output index of every selected beam entry (0 = unselected / root), then parents by gather.
+  out_index = jnp.zeros((depth * budget,), jnp.int32).at[flat].set(jnp.arange(1, n, dtype=jnp.int32))
+  parent_flat = (node_depth - 1) * budget + beam_par.reshape(-1)[flat]
+  node_parent = jnp.where(node_depth == 0, 0, out_index[jnp.maximum(parent_flat, 0)])
+
+  tokens = jnp.concatenate([jnp.reshape(root_token, (1,)).astype(jnp.int32),
+                            beam_tok.reshape(-1)[flat]])
+  parents = jnp.concatenate([jnp.full((1,), -1, jnp.int32), node_parent.astype(jnp.int32)])
+  depths = jnp.concatenate([jnp.zeros((1,), jnp.int32), (node_depth + 1).astype(jnp.int32)])
+  scores = jnp.concatenate([jnp.zeros((1,), jnp.float32), scores])
+  # Ancestor chain [N, L+1] by repeated parent gathers (index -1 hits the -1 sentinel).
+  par_ext = jnp.concatenate([parents, jnp.full((1,), -1, jnp.int32)])
+  chain = [jnp.arange(n, dtype=jnp.int32)]
+  for _ in range(depth):
+    chain.append(par_ext[chain[-1]])
+  chain = jnp.stack(chain, axis=1)
+  visibility = jnp.any(chain[:, :, None] == jnp.arange(n)[None, None, :], axis=1)
+  return DraftTree(tokens=tokens, parents=parents, depths=depths, scores=scores,
+                   visibility=visibility)
+
+
+def build_tree(draft_logits, budget: int, topk_cap: int | None = None, root_token=None) -> DraftTree:
+  """Builds the optimal draft tree of `budget` non-root nodes.
+
+  Args:
+    draft_logits: [L, V] or [Bt, L, V] drafter logits; row d-1 is the distribution of depth d.
+    budget: static int B >= 1, number of non-root nodes (N = B + 1).
+    topk_cap: optional static cap on the tokens kept per depth (1 = greedy chain).
+    root_token: None (-> -1), a scalar, or [Bt] int array placed at tokens[..., 0].
+  Returns:
+    DraftTree with leading batch dims matching draft_logits[..., 0, 0].
+  """
+  if draft_logits.ndim not in (2, 3):
+    raise ValueError(f"draft_logits must be [L, V] or [batch, L, V], got shape {draft_logits.shape}")
+  budget = int(budget)
+  if budget < 1:
+    raise ValueError(f"budget must be >= 1, got {budget}")
+  if topk_cap is not None and topk_cap < 1:
+    raise ValueError(f"topk_cap must be >= 1 or None, got {topk_cap}")
+  depth, vocab = draft_logits.shape[-2:]
+  if depth < 1:
+    raise ValueError(f"draft_logits needs at least one depth, got shape {draft_logits.shape}")
+  k = min(budget, topk_cap or budget, vocab)
+  if num_prefixes(depth, k, budget) < budget:
+    raise ValueError(f"budget {budget} exceeds the {num_prefixes(depth, k, budget)} distinct prefixes "
+                     f"of depth <= {depth} with {k} tokens per depth")
+  batch = draft_logits.shape[:-2]
+  root = jnp.broadcast_to(jnp.asarray(-1 if root_token is None else root_token, jnp.int32), batch)
+  if not batch:
+    return _build_one(draft_logits, root, budget, k)
+  return jax.vmap(lambda x, t: _build_one(x, t, budget, k))(draft_logits, root)
+
+
+def chain_tree(draft_logits, root_token) -> DraftTree:
+  """Plain DFlash: the root followed by the greedy draft of every depth, verified causally.
+
+  draft_logits [Bt, L, V], root_token [Bt] -> a DraftTree of N = L + 1 nodes (equal to
+  build_tree(..., budget=L, topk_cap=1) without the top-k machinery)."""
+  bt, depth, _ = draft_logits.shape
+  n = depth + 1
+  logq = jax.nn.log_softmax(draft_logits.astype(jnp.float32), axis=-1)
+  drafts = jnp.argmax(logq, axis=-1).astype(jnp.int32)
+  steps = jnp.take_along_axis(logq, drafts[..., None], axis=-1)[..., 0]
+  idx = jnp.arange(n, dtype=jnp.int32)
+  shape = lambda x: jnp.broadcast_to(x, (bt,) + x.shape)
+  return DraftTree(
+      tokens=jnp.concatenate([jnp.asarray(root_token, jnp.int32)[:, None], drafts], axis=1),
+      parents=shape(idx - 1), depths=shape(idx),
+      scores=jnp.concatenate([jnp.zeros((bt, 1)), jnp.cumsum(steps, axis=1)], axis=1),
+      visibility=shape(idx[:, None] >= idx[None, :]))

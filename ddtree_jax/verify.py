@@ -1,0 +1,57 @@
+"""Tree verification: one target forward over the budget+1 nodes, then walk the accepted path.
+
+Every node sees its sequence's committed prefix plus its ancestors and itself (the tree's
+visibility), at position start + depth, so the K/V rows of an accepted path equal those of a
+sequential forward and are committed as they are (no re-run).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ddtree_jax import model
+
+
+def verify_tree(params, cfg, cache, tokens, depths, visibility, tap_layers, attn_fn):
+  """Target forward over tree nodes.
+
+  tokens/depths: [B, N] int32; visibility: [B, N, N] bool.
+  Returns logits [B, N, V] float32, new_k/new_v per layer [B, N, K, D], taps [B, N, k*H] or None.
+  """
+  positions = cache.lens[:, None] + depths
+  hidden, new_k, new_v, taps = model.forward(params, cfg, tokens, positions, cache, visibility,
+                                             tap_layers, attn_fn)
+  return model.lm_head(params, hidden), new_k, new_v, taps
+
+
+def accept(tokens, parents, depths, visibility, post, max_depth: int):
+  """Greedy (or sample-and-match) acceptance, vectorised.
+
+  A node is matched when its token equals the target's choice `post` at its parent; it is accepted
+  when it and all its ancestors are matched. The accepted path runs from the root to the deepest
+  accepted node (unique: siblings carry distinct tokens).
+
+  Args: tokens/parents/depths/post [B, N] int32 (parents[:, 0] = -1), visibility [B, N, N] bool.
+  Returns: path [B, max_depth + 1] node indices by depth (entries past tau are 0), tau [B] int32
+  (accepted path length, root included), emitted [B, max_depth + 1] = post along the path: the
+  accepted tokens after the root followed by the next bonus.
+  """
+  post_at_parent = jnp.take_along_axis(post, jnp.maximum(parents, 0), axis=1)
+  matched = (tokens == post_at_parent) | (parents < 0)
+  accepted = ~jnp.any(visibility & ~matched[:, None, :], axis=-1)  # all ancestors matched
+  last = jnp.argmax(jnp.where(accepted, depths, -1), axis=1)        # deepest accepted node
+  on_path = jnp.take_along_axis(visibility, last[:, None, None], axis=1)[:, 0]  # [B, N]
+  tau = jnp.sum(on_path, axis=1).astype(jnp.int32)
+  levels = jnp.arange(max_depth + 1)
+  at_level = on_path[:, None, :] & (depths[:, None, :] == levels[None, :, None])  # [B, D+1, N]
+  path = jnp.sum(at_level * jnp.arange(tokens.shape[1])[None, None, :], axis=-1).astype(jnp.int32)
+  emitted = jnp.take_along_axis(post, path, axis=1)
+  return path, tau, emitted
+
+
+def pick(logits, temperature: float, key):
+  """The target's choice per node: argmax at T = 0, else one independent sample per node."""
+  if temperature == 0.0:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  return jax.random.categorical(key, logits / temperature, axis=-1).astype(jnp.int32)

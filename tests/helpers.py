@@ -1,0 +1,99 @@
+"""Test helpers: tiny z-lab-format drafter checkpoints and an oracle drafter with corruption."""
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors.numpy import save_file
+
+from ddtree_jax.drafter import DrafterConfig
+
+
+def write_drafter(path, target_cfg, *, num_layers=2, block_size=8, mask_token_id=5,
+                  target_layer_ids=(0, 1), seed=0, std=0.2, config_overrides=None,
+                  nest_block_size=False, drop=(), reshape=None):
+  """Writes a random DFlash drafter (config.json + model.safetensors) matching `target_cfg`."""
+  rng = np.random.default_rng(seed)
+  h, i = target_cfg.hidden_size, target_cfg.intermediate_size
+  n, k, d = target_cfg.num_heads, target_cfg.num_kv_heads, target_cfg.head_dim
+  w = lambda *s: (std * rng.standard_normal(s)).astype(np.float32)
+  norm = lambda m: (1 + 0.1 * rng.standard_normal(m)).astype(np.float32)
+  t = {"fc.weight": w(h, len(target_layer_ids) * h), "hidden_norm.weight": norm(h),
+       "norm.weight": norm(h)}
+  for l in range(num_layers):
+    p = f"layers.{l}."
+    t.update({p + "input_layernorm.weight": norm(h), p + "post_attention_layernorm.weight": norm(h),
+              p + "self_attn.q_proj.weight": w(n * d, h), p + "self_attn.k_proj.weight": w(k * d, h),
+              p + "self_attn.v_proj.weight": w(k * d, h), p + "self_attn.o_proj.weight": w(h, n * d),
+              p + "self_attn.q_norm.weight": norm(d), p + "self_attn.k_norm.weight": norm(d),
+              p + "mlp.gate_proj.weight": w(i, h), p + "mlp.up_proj.weight": w(i, h),
+              p + "mlp.down_proj.weight": w(h, i)})
+  for name in drop:
+    del t[name]
+  for name, shape in (reshape or {}).items():
+    t[name] = np.zeros(shape, np.float32)
+  cfg = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": h,
+         "intermediate_size": i, "num_hidden_layers": num_layers, "num_attention_heads": n,
+         "num_key_value_heads": k, "head_dim": d, "rms_norm_eps": target_cfg.rms_norm_eps,
+         "rope_theta": target_cfg.rope_theta, "vocab_size": target_cfg.vocab_size,
+         "num_target_layers": target_cfg.num_layers, "tie_word_embeddings": False,
+         "dflash_config": {"mask_token_id": mask_token_id,
+                           "target_layer_ids": list(target_layer_ids)}}
+  if nest_block_size:
+    cfg["dflash_config"]["block_size"] = block_size
+  else:
+    cfg["block_size"] = block_size
+  cfg.update(config_overrides or {})
+  os.makedirs(path, exist_ok=True)
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(cfg, f)
+  save_file(t, os.path.join(path, "model.safetensors"))
+  return path
+
+
+@dataclasses.dataclass(frozen=True)
+class OracleConfig(DrafterConfig):
+  """Drafts the target's own greedy continuation (params = (drafter params, ref [B, R])), with
+  deterministic corruption: per drafted position the true token is ranked first (prob 1 - c),
+  second (c / 2) or nowhere near the top (c / 2). The real drafter still builds its context."""
+  corruption: float = 0.3
+  seed: int = 0
+
+  def draft(self, params, target_params, cache, bonus, attn_fn=None):
+    _, ref = params
+    b, r = ref.shape
+    v = self.layers.vocab_size
+    pos = cache.lens[:, None] + jnp.arange(1, self.num_drafts + 1)[None]        # [B, L]
+    y = jnp.take_along_axis(ref, jnp.minimum(pos, r - 1), axis=1)
+    h = (pos.astype(jnp.uint32) * jnp.uint32(2654435761)
+         + jnp.arange(b, dtype=jnp.uint32)[:, None] * jnp.uint32(40503)
+         + jnp.uint32(self.seed * 7919 + 1))
+    u = ((h >> 8) % 1000).astype(jnp.float32) / 1000.0
+    base = 0.5 * jax.random.normal(jax.random.key(self.seed), (v,))
+    logits = jnp.broadcast_to(base, (b, self.num_drafts, v))
+    onehot = lambda t: jax.nn.one_hot(t, v, dtype=jnp.float32)
+    other = (y + 1) % v
+    rank0 = 8.0 * onehot(y)
+    rank1 = 8.0 * onehot(other) + 7.0 * onehot(y)
+    far = 8.0 * onehot(other) - 8.0 * onehot(y)
+    c = self.corruption
+    sel = jnp.where(u < 1 - c, 0, jnp.where(u < 1 - c / 2, 1, 2))[..., None]
+    return logits + jnp.where(sel == 0, rank0, jnp.where(sel == 1, rank1, far))
+
+  def context(self, params, taps, positions):
+    return super().context(params[0], taps, positions)
+
+
+def oracle_drafter(drafter, ar_prompts, ar_tokens, corruption=0.3, seed=0, length=512):
+  """A Drafter-like (params, config) pair whose drafts follow the AR reference sequences."""
+  ref = np.zeros((len(ar_prompts), length), np.int32)
+  for b, (p, o) in enumerate(zip(ar_prompts, ar_tokens)):
+    seq = list(p) + list(o)
+    ref[b, :len(seq)] = seq
+  cfg = OracleConfig(**{f.name: getattr(drafter.config, f.name)
+                        for f in dataclasses.fields(DrafterConfig)},
+                     corruption=corruption, seed=seed)
+  return dataclasses.replace(drafter, params=(drafter.params, jnp.asarray(ref)), config=cfg)

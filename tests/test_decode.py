@@ -1,0 +1,102 @@
+"""Lossless decoding: chain and DDTree tokens equal AR greedy tokens (float32), edges, errors."""
+
+import os
+
+import numpy as np
+import pytest
+
+import ddtree_jax as dj
+from conftest import FIXTURES
+from helpers import oracle_drafter, write_drafter
+
+M = 40
+PROMPTS = [[3, 17, 99, 4, 250, 31, 8], [42], [7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 9],
+           [200, 1, 0, 3], [15, 16], [101] * 30, [5, 6, 7], [88, 77, 66, 55, 44, 33, 22]]
+
+
+@pytest.fixture(scope="module")
+def target():
+  return dj.load_target(os.path.join(FIXTURES, "qwen3_gqa"), dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def drafter(target, tmp_path_factory):
+  path = write_drafter(str(tmp_path_factory.mktemp("drafter")), target.config, block_size=8)
+  return dj.load_drafter(path, target)
+
+
+@pytest.fixture(scope="module")
+def ar(target):
+  return dj.generate(target, PROMPTS, max_new_tokens=M, stop_token_ids=()).tokens
+
+
+def _batch(n):
+  return {1: [0], 3: [0, 1, 2], 8: list(range(8))}[n]
+
+
+def _oracle(drafter, ar, idx, corruption=0.3, seed=0):
+  return oracle_drafter(drafter, [PROMPTS[i] for i in idx], [ar[i] for i in idx],
+                        corruption=corruption, seed=seed)
+
+
+def test_ragged_batch_equals_each_prompt_alone(target, ar):
+  for i in (0, 1, 5):
+    alone = dj.generate(target, [PROMPTS[i]], max_new_tokens=M, stop_token_ids=()).tokens[0]
+    assert alone == ar[i]
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_chain_is_lossless_with_full_partial_and_zero_acceptance(target, drafter, ar, batch):
+  idx = _batch(batch)
+  d = _oracle(drafter, ar, idx)
+  res = dj.generate(target, [PROMPTS[i] for i in idx], method="chain", drafter=d,
+                    max_new_tokens=M, stop_token_ids=())
+  assert res.tokens == [ar[i] for i in idx]
+  lens = [a for seq in res.stats["acceptance_lengths"] for a in seq]
+  block = drafter.config.block_size
+  assert 1 in lens and block in lens and any(1 < a < block for a in lens), lens
+  # tau is the mean committed tokens per step, counted independently.
+  steps = sum(len(s) for s in res.stats["acceptance_lengths"])
+  assert res.stats["tau"] == pytest.approx((sum(len(t) for t in res.tokens) - batch) / steps)
+
+
+def test_chain_with_random_drafter_is_lossless(target, drafter, ar):
+  res = dj.generate(target, PROMPTS[:3], method="chain", drafter=drafter, max_new_tokens=M,
+                    stop_token_ids=())
+  assert res.tokens == ar[:3]
+
+
+@pytest.mark.parametrize("budget", [1, 2, 3, 4, 7, 8, 15, 16, 31, 32, 64, 128, 256])
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_ddtree_is_lossless(target, drafter, ar, budget, batch):
+  idx = _batch(batch)
+  d = _oracle(drafter, ar, idx, seed=budget)
+  res = dj.generate(target, [PROMPTS[i] for i in idx], method="ddtree", drafter=d, budget=budget,
+                    max_new_tokens=M, stop_token_ids=())
+  assert res.tokens == [ar[i] for i in idx]
+  lens = [a for seq in res.stats["acceptance_lengths"] for a in seq]
+  assert max(lens) <= drafter.config.block_size
+  if batch == 8 and budget >= 8:
+    assert 1 in lens and drafter.config.block_size in lens, lens
+
+
+def test_topk1_tree_reproduces_chain(target, drafter, ar):
+  idx = _batch(3)
+  d = _oracle(drafter, ar, idx)
+  prompts = [PROMPTS[i] for i in idx]
+  chain = dj.generate(target, prompts, method="chain", drafter=d, max_new_tokens=M,
+                      stop_token_ids=())
+  tree = dj.generate(target, prompts, method="ddtree", drafter=d, max_new_tokens=M,
+                     budget=drafter.config.num_drafts, topk_cap=1, stop_token_ids=())
+  assert tree.tokens == chain.tokens
+  assert tree.stats["acceptance_lengths"] == chain.stats["acceptance_lengths"]
+
+
+def test_budget_switching_in_one_process(target, drafter, ar):
+  """The seed's scenario: 8 -> 16 -> 32 -> 64 -> 8 in one process stays lossless."""
+  idx = _batch(3)
+  d = _oracle(drafter, ar, idx, seed=3)
+  for budget in (8, 16, 32, 64, 8):
+    res = dj.generate(target, [PROMPTS[i] for i in idx], method="ddtree", drafter=d,
+                      budget=budget, max_new_tokens=M, stop_token_ids=())
+    assert res.tokens == [ar[i] for i in idx], budget
