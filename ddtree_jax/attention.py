@@ -19,6 +19,14 @@ import jax.numpy as jnp
 NEG_INF = -1e30  # finite, so fully masked rows never produce NaN
 
 
+def einsum_f32(spec, a, b):
+  """einsum accumulating and returning float32. XLA:CPU lacks bf16 x bf16 -> f32 dots, so there
+  the inputs are upcast; on GPU the low-precision operands go straight to the matmul."""
+  if a.dtype != jnp.float32 and jax.default_backend() == "cpu":
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+  return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
 def attend_xla(q, k_cache, v_cache, prefix_len, k_new, v_new, new_mask, *, scale):
   """Plain-XLA masked attention, the reference for the Pallas kernel.
 
@@ -36,13 +44,13 @@ def attend_xla(q, k_cache, v_cache, prefix_len, k_new, v_new, new_mask, *, scale
   hkv, s = k_cache.shape[1], k_cache.shape[2]
   g = hq // hkv
   qg = q.reshape(b, t, hkv, g, d)
-  s_pre = jnp.einsum("btkgd,bksd->bkgts", qg, k_cache, preferred_element_type=jnp.float32)
-  s_new = jnp.einsum("btkgd,bskd->bkgts", qg, k_new, preferred_element_type=jnp.float32)
+  s_pre = einsum_f32("btkgd,bksd->bkgts", qg, k_cache)
+  s_new = einsum_f32("btkgd,bskd->bkgts", qg, k_new)
   pre_ok = jnp.arange(s)[None, :] < prefix_len[:, None]  # [B, S]
   s_pre = jnp.where(pre_ok[:, None, None, None, :], s_pre * scale, NEG_INF)
   s_new = jnp.where(new_mask[:, None, None, :, :], s_new * scale, NEG_INF)
   scores = jnp.concatenate([s_pre, s_new], axis=-1)
   probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-  out = (jnp.einsum("bkgts,bksd->btkgd", probs[..., :s], v_cache, preferred_element_type=jnp.float32)
-         + jnp.einsum("bkgts,bskd->btkgd", probs[..., s:], v_new, preferred_element_type=jnp.float32))
+  out = (einsum_f32("bkgts,bksd->btkgd", probs[..., :s], v_cache)
+         + einsum_f32("bkgts,bskd->btkgd", probs[..., s:], v_new))
   return out.reshape(b, t, hq, d).astype(q.dtype)

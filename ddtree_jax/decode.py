@@ -104,25 +104,39 @@ def _advance(lc, dparams, dcfg, state, new_k, new_v, taps, src, emitted, tau, ke
       accepted=state.accepted.at[state.step].set(count), step=state.step + 1, key=key)
 
 
-def step(tparams, tcfg, dparams, dcfg, lc: LoopConfig, state: DecodeState) -> DecodeState:
-  """One speculative step for every sequence of the batch."""
-  key, pick_key = jax.random.split(state.key)
+def make_tree(lc: LoopConfig, draft_logits, bonus):
+  """The tree each method verifies: the root alone (AR), the greedy chain, or the DDTree tree."""
   if lc.method == "ar":
-    tree, taps_at = _root_tree(state.bonus), ()
-  else:
-    logits = dcfg.draft(dparams, tparams, state.draft_cache, state.bonus, lc.attn_fn)
-    if lc.method == "chain":
-      tree = tree_lib.chain_tree(logits, state.bonus)
-    else:
-      tree = tree_lib.build_tree(logits, lc.budget, lc.topk_cap, root_token=state.bonus)
-    taps_at = dcfg.target_layer_ids
+    return _root_tree(bonus)
+  if lc.method == "chain":
+    return tree_lib.chain_tree(draft_logits, bonus)
+  return tree_lib.build_tree(draft_logits, lc.budget, lc.topk_cap, root_token=bonus)
+
+
+def verify_and_pick(tparams, tcfg, dcfg, lc: LoopConfig, state: DecodeState, tree, key):
+  """Target forward over the tree; the target's choice (argmax or sample) at every node."""
+  taps_at = () if dcfg is None else dcfg.target_layer_ids
   logits, new_k, new_v, taps = verify.verify_tree(tparams, tcfg, state.cache, tree.tokens,
                                                   tree.depths, tree.visibility, taps_at,
                                                   lc.attn_fn)
-  post = verify.pick(logits, lc.temperature, pick_key)
+  return verify.pick(logits, lc.temperature, key), new_k, new_v, taps
+
+
+def accept_and_commit(dparams, dcfg, lc: LoopConfig, state, tree, post, new_k, new_v, taps, key):
   path, tau, emitted = verify.accept(tree.tokens, tree.parents, tree.depths, tree.visibility,
                                      post, lc.num_drafts)
   return _advance(lc, dparams, dcfg, state, new_k, new_v, taps, path, emitted, tau, key)
+
+
+def step(tparams, tcfg, dparams, dcfg, lc: LoopConfig, state: DecodeState) -> DecodeState:
+  """One speculative step for every sequence of the batch."""
+  key, pick_key = jax.random.split(state.key)
+  logits = None
+  if lc.method != "ar":
+    logits = dcfg.draft(dparams, tparams, state.draft_cache, state.bonus, lc.attn_fn)
+  tree = make_tree(lc, logits, state.bonus)
+  post, new_k, new_v, taps = verify_and_pick(tparams, tcfg, dcfg, lc, state, tree, pick_key)
+  return accept_and_commit(dparams, dcfg, lc, state, tree, post, new_k, new_v, taps, key)
 
 
 @functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "lc", "capacity"))

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax.attention import attend_xla
+from ddtree_jax.attention import attend_xla, einsum_f32
 from ddtree_jax.config import ModelConfig
 
 Array = jax.Array
@@ -167,8 +167,8 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, cache: KVCache,
 def lm_head(params: Params, hidden):
   """hidden [..., H] -> float32 logits [..., V] (tied embeddings use embed.T)."""
   if params.lm_head is None:
-    return jnp.einsum("...h,vh->...v", hidden, params.embed, preferred_element_type=jnp.float32)
-  return jnp.einsum("...h,hv->...v", hidden, params.lm_head, preferred_element_type=jnp.float32)
+    return einsum_f32("...h,vh->...v", hidden, params.embed)
+  return einsum_f32("...h,hv->...v", hidden, params.lm_head)
 
 
 def causal_mask(lens, t: int):

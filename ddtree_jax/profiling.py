@@ -1,0 +1,68 @@
+"""Measurement helpers: per-stage step times (each stage its own program) and a Python-loop
+driver over the jitted step, to price the host round trip that `lax.while_loop` avoids."""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import jax
+import numpy as np
+
+from ddtree_jax import decode
+
+
+def median_seconds(fn, *args, repeats: int = 10) -> float:
+  """Median wall time of fn(*args) after one warm-up call (compile excluded)."""
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    t = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t)
+  return float(np.median(times))
+
+
+def stage_seconds(tparams, tcfg, dparams, dcfg, lc: decode.LoopConfig, state, repeats: int = 10):
+  """Median seconds of draft, tree, verify, accept+commit, each compiled on its own.
+
+  `state` is consumed (accept+commit donates it, as in the loop). Returns a dict of floats.
+  """
+  key = jax.random.key(0)
+  draft = jax.jit(lambda dp, tp, st: dcfg.draft(dp, tp, st.draft_cache, st.bonus, lc.attn_fn))
+  tree = jax.jit(lambda logits, bonus: decode.make_tree(lc, logits, bonus))
+  verify = jax.jit(lambda tp, st, tr: decode.verify_and_pick(tp, tcfg, dcfg, lc, st, tr, key))
+  commit = jax.jit(lambda dp, st, *rest: decode.accept_and_commit(dp, dcfg, lc, st, *rest, key),
+                   donate_argnums=(1,))
+  out = {}
+  logits = None
+  if lc.method != "ar":
+    out["draft"] = median_seconds(draft, dparams, tparams, state, repeats=repeats)
+    logits = draft(dparams, tparams, state)
+  out["tree"] = median_seconds(tree, logits, state.bonus, repeats=repeats)
+  tr = tree(logits, state.bonus)
+  out["verify"] = median_seconds(verify, tparams, state, tr, repeats=repeats)
+  rest = (tr,) + tuple(verify(tparams, state, tr))
+  times = []
+  for i in range(repeats + 1):  # the state flows through, donated each time
+    t = time.perf_counter()
+    state = jax.block_until_ready(commit(dparams, state, *rest))
+    if i:
+      times.append(time.perf_counter() - t)
+  out["accept_commit"] = float(np.median(times))
+  return out
+
+
+def python_loop(tparams, tcfg, dparams, dcfg, lc: decode.LoopConfig, state):
+  """Drives the same jitted step from Python, reading `done` back every step (host round trip)."""
+  step = _jitted_step(tcfg, dcfg, lc)
+  for _ in range(max(lc.max_new_tokens - 1, 0)):
+    if bool(np.all(jax.device_get(state.done))):
+      break
+    state = step(tparams, dparams, state)
+  return state
+
+
+@functools.cache
+def _jitted_step(tcfg, dcfg, lc):
+  return jax.jit(lambda tp, dp, st: decode.step(tp, tcfg, dp, dcfg, lc, st), donate_argnums=(2,))
