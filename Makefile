@@ -5,7 +5,7 @@ PY312 := $(shell if python3.12 --version >/dev/null 2>&1; then command -v python
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: venv test demo clean
+.PHONY: venv test demo clean train train-smoke eval-default
 
 $(VENV)/.installed: pyproject.toml
 	@test -x "$(PY312)" || (echo "need Python 3.12 (python3.12 on PATH or under pyenv root)"; exit 1)
@@ -21,6 +21,18 @@ test: venv
 
 demo: venv
 	$(PY) experiments/generate.py --config=configs/default.py
+
+# The bundled default pair (ddtree_jax/default_model): GPU settings, ~8 min on one H200.
+train: venv
+	PY=$(PY) bash experiments/train_default.sh
+
+# The same pipeline with tiny settings on CPU (~1-2 min); writes only under /tmp/ddtree_smoke.
+train-smoke: venv
+	PY=$(PY) PRESET=:smoke WORKDIR=/tmp/ddtree_smoke INSTALL=/tmp/ddtree_smoke/default_model \
+	  bash experiments/train_default.sh
+
+eval-default: venv
+	$(PY) experiments/eval_default.py
 
 clean:
 	rm -rf $(VENV)

@@ -10,13 +10,14 @@ import dataclasses
 import json
 import os
 import struct
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from ddtree_jax import sharding
 from ddtree_jax.config import ModelConfig, config_from_hf
 from ddtree_jax.model import LayerParams, Params
 
@@ -67,13 +68,29 @@ def read_config(path: str) -> dict[str, Any]:
     return json.load(f)
 
 
-class TensorReader:
-  """Fetches named tensors with shape checks, converting to our [in, out] layouts."""
+class Stacked:
+  """A lazy np.stack of host tensors along `axis`: slicing reads only the requested region."""
 
-  def __init__(self, tensors: dict[str, np.ndarray], dtype, source: str,
-               place: Callable[[np.ndarray], jax.Array] | None = None):
-    self.tensors, self.dtype, self.source = tensors, dtype, source
-    self.place = place or jnp.asarray
+  def __init__(self, parts, axis: int):
+    self.parts, self.axis = list(parts), axis
+    self.shape = parts[0].shape[:axis] + (len(parts),) + parts[0].shape[axis:]
+
+  def __getitem__(self, idx):
+    idx = tuple(idx) if isinstance(idx, tuple) else (idx,)
+    if idx == (Ellipsis,):
+      idx = ()
+    idx = idx + (slice(None),) * (len(self.shape) - len(idx))
+    rest = idx[:self.axis] + idx[self.axis + 1:]
+    picked = range(len(self.parts))[idx[self.axis]]
+    return np.stack([np.asarray(self.parts[i][rest]) for i in picked], axis=self.axis)
+
+
+class TensorReader:
+  """Fetches named tensors with shape checks as lazy host views in our [in, out] layouts
+  (memory-mapped numpy views or `Stacked`); nothing is read until `place` slices them."""
+
+  def __init__(self, tensors: dict[str, np.ndarray], source: str):
+    self.tensors, self.source = tensors, source
 
   def raw(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
     if name not in self.tensors:
@@ -84,32 +101,48 @@ class TensorReader:
                        f"expected {tuple(shape)}")
     return t
 
-  def get(self, name: str, shape, transform=lambda t: t) -> jax.Array:
-    return self.place(np.asarray(transform(self.raw(name, shape))).astype(self.dtype))
+  def get(self, name: str, shape, transform=lambda t: t):
+    return transform(self.raw(name, shape))
 
   def linear(self, name: str, out_dim: int, in_dim: int, split: tuple[int, ...] = ()):
-    """torch Linear [out, in] -> [in, *split] (split factors out_dim, e.g. heads x head_dim)."""
+    """torch Linear [out, in] -> [in, *split] (split factors out_dim, e.g. heads x head_dim).
+    Transposing and splitting one axis are both views: still nothing is read."""
     return self.get(name, (out_dim, in_dim), lambda t: t.T.reshape((in_dim,) + (split or (out_dim,))))
 
   def layer(self, prefix: str, cfg: ModelConfig) -> LayerParams:
     h, n, k, d, i = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                      cfg.intermediate_size)
     a = prefix + "self_attn."
-    kproj = self.raw(a + "k_proj.weight", (k * d, h)).T.reshape(h, k, d)
-    vproj = self.raw(a + "v_proj.weight", (k * d, h)).T.reshape(h, k, d)
-    gate = self.raw(prefix + "mlp.gate_proj.weight", (i, h)).T
-    up = self.raw(prefix + "mlp.up_proj.weight", (i, h)).T
+    kproj = self.linear(a + "k_proj.weight", k * d, h, (k, d))
+    vproj = self.linear(a + "v_proj.weight", k * d, h, (k, d))
+    gate = self.linear(prefix + "mlp.gate_proj.weight", i, h)
+    up = self.linear(prefix + "mlp.up_proj.weight", i, h)
     return LayerParams(
         input_norm=self.get(prefix + "input_layernorm.weight", (h,)),
         wq=self.linear(a + "q_proj.weight", n * d, h, (n, d)),
-        wkv=self.place(np.stack([kproj, vproj], axis=1).astype(self.dtype)),
+        wkv=Stacked([kproj, vproj], axis=1),
         wo=self.get(a + "o_proj.weight", (h, n * d), lambda t: t.T.reshape(n, d, h)),
         q_norm=self.get(a + "q_norm.weight", (d,)) if cfg.qk_norm else None,
         k_norm=self.get(a + "k_norm.weight", (d,)) if cfg.qk_norm else None,
         post_norm=self.get(prefix + "post_attention_layernorm.weight", (h,)),
-        w_gate_up=self.place(np.stack([gate, up], axis=1).astype(self.dtype)),
+        w_gate_up=Stacked([gate, up], axis=1),
         w_down=self.linear(prefix + "mlp.down_proj.weight", h, i),
     )
+
+
+def place(host_tree, dtype, shardings=None):
+  """Host tensors (numpy views / Stacked) -> device arrays of `dtype`.
+
+  Without shardings each tensor goes whole to the default device. With a NamedSharding pytree
+  every device receives only its own shard, read and converted from the memory map by
+  `jax.make_array_from_callback`: no device (and no host buffer) ever holds a full copy of a
+  sharded tensor."""
+  if shardings is None:
+    return jax.tree.map(lambda t: jnp.asarray(np.asarray(t[...]).astype(dtype)), host_tree)
+  return jax.tree.map(
+      lambda t, s: jax.make_array_from_callback(
+          tuple(t.shape), s, lambda idx: np.asarray(t[idx]).astype(dtype)),
+      host_tree, shardings)
 
 
 def load_tokenizer(path: str):
@@ -127,7 +160,8 @@ class Target:
   config: ModelConfig
   tokenizer: Any = None
   path: str | None = None
-  mesh: Any = None
+  mesh: Any = None                # jax.sharding.Mesh when tensor-parallel (see sharding.py)
+  rules: Any = None               # sharding.ShardingRules used with mesh
 
   @property
   def dtype(self):
@@ -144,25 +178,39 @@ def parse_dtype(dtype) -> jnp.dtype:
   return jnp.dtype(dtype)
 
 
-def load_target_params(path: str, cfg: ModelConfig, dtype, place=None) -> Params:
-  r = TensorReader(read_checkpoint_tensors(path), dtype, path, place)
+def _place_sharded(host, dtype, mesh, rules):
+  """Host params -> device params, sharded over `mesh` by `rules` when a mesh is given."""
+  if mesh is None:
+    return place(host, dtype)
+  return place(host, dtype, sharding.shardings(host, sharding.check_mesh(mesh), rules))
+
+
+def load_target_params(path: str, cfg: ModelConfig, dtype, mesh=None, rules=None) -> Params:
+  r = TensorReader(read_checkpoint_tensors(path), path)
   v, h = cfg.vocab_size, cfg.hidden_size
-  return Params(
+  host = Params(
       embed=r.get("model.embed_tokens.weight", (v, h)),
       layers=[r.layer(f"model.layers.{i}.", cfg) for i in range(cfg.num_layers)],
       final_norm=r.get("model.norm.weight", (h,)),
       lm_head=None if cfg.tie_word_embeddings else r.linear("lm_head.weight", v, h),
   )
+  return _place_sharded(host, dtype, mesh, rules)
 
 
-def load_target(path: str, dtype="bfloat16", mesh=None) -> Target:
-  """Loads a Hugging Face Qwen3 (dense) or Llama directory (safetensors only)."""
+def load_target(path: str, dtype="bfloat16", mesh=None, rules=None) -> Target:
+  """Loads a Hugging Face Qwen3 (dense) or Llama directory (safetensors only).
+
+  With a `mesh` (sharding.make_mesh) every tensor goes straight from the memory map onto its
+  shards, laid out by `rules` (default sharding.ShardingRules(): tensor parallel over "tp");
+  dimensions that do not divide the mesh are refused with a ValueError (see sharding.py).
+  """
   cfg = config_from_hf(read_config(path))
   dtype = parse_dtype(dtype)
   if mesh is not None:
-    raise NotImplementedError("load_target(mesh=...) is not implemented yet (tensor parallelism)")
-  params = load_target_params(path, cfg, dtype)
-  return Target(params=params, config=cfg, tokenizer=load_tokenizer(path), path=path, mesh=mesh)
+    rules = rules or sharding.DEFAULT_RULES
+  params = load_target_params(path, cfg, dtype, mesh, rules)
+  return Target(params=params, config=cfg, tokenizer=load_tokenizer(path), path=path, mesh=mesh,
+                rules=rules)
 
 
 # Drafter variants we refuse (until implemented) rather than run wrongly.
@@ -223,16 +271,202 @@ def drafter_config_from_hf(cfg: dict[str, Any], target: ModelConfig):
 
 
 def load_drafter(path: str, target: Target, dtype=None) -> Drafter:
-  """Loads a z-lab-format DFlash drafter directory for `target` (dtype defaults to the target's)."""
+  """Loads a z-lab-format DFlash drafter directory for `target` (dtype defaults to the target's).
+  On a sharded target the drafter is sharded on the same mesh with the same rules."""
   from ddtree_jax.drafter import DrafterParams  # pylint: disable=import-outside-toplevel
   cfg = drafter_config_from_hf(read_config(path), target.config)
   dtype = target.dtype if dtype is None else parse_dtype(dtype)
-  r = TensorReader(read_checkpoint_tensors(path), dtype, path)
+  r = TensorReader(read_checkpoint_tensors(path), path)
   h, lc = target.config.hidden_size, cfg.layers
-  params = DrafterParams(
+  host = DrafterParams(
       fc=r.linear("fc.weight", h, len(cfg.target_layer_ids) * h),
       hidden_norm=r.get("hidden_norm.weight", (h,)),
       layers=[r.layer(f"layers.{i}.", lc) for i in range(lc.num_layers)],
       final_norm=r.get("norm.weight", (h,)),
   )
+  params = _place_sharded(host, dtype, target.mesh, target.rules)
   return Drafter(params=params, config=cfg, path=path)
+
+
+# --------------------------------------------------------------------------------------------
+# Orbax checkpoints of our own params pytrees, restorable onto any mesh.
+
+
+def _key(k) -> str:
+  """A pytree path entry (attribute, list index or dict key) as a string."""
+  return str(getattr(k, "name", getattr(k, "idx", getattr(k, "key", k))))
+
+
+def _nested(tree) -> dict:
+  """Params-like pytree -> nested dict keyed by field names / list indices (None leaves dropped),
+  the form orbax stores; the layout is independent of how the arrays are sharded."""
+  out: dict = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    keys = [_key(k) for k in path]
+    d = out
+    for k in keys[:-1]:
+      d = d.setdefault(k, {})
+    d[keys[-1]] = leaf
+  return out
+
+
+def save_params(path: str, params) -> None:
+  """Writes a params pytree (target or drafter; sharded or not) as an orbax checkpoint."""
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  with ocp.StandardCheckpointer() as ckptr:
+    ckptr.save(os.path.abspath(path), _nested(params))
+    ckptr.wait_until_finished()
+
+
+def restore_params(path: str, like, mesh=None, rules=None):
+  """Restores a `save_params` checkpoint into the structure of `like` (arrays or
+  ShapeDtypeStructs), each array read straight onto its shards of `mesh` laid out by `rules`
+  (None: one device). The saving mesh does not matter."""
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  if mesh is None:
+    dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target_sh = jax.tree.map(lambda _: dev, like)
+  else:
+    target_sh = sharding.shardings(like, sharding.check_mesh(mesh), rules)
+  abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                          like, target_sh)
+  with ocp.StandardCheckpointer() as ckptr:
+    restored = ckptr.restore(os.path.abspath(path), _nested(abstract))
+  paths, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+  leaves = []
+  for p, _ in paths:
+    d = restored
+    for k in p:
+      d = d[_key(k)]
+    leaves.append(d)
+  return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+# ------------------------------------------------------------------------ writing (export)
+
+_DTYPE_NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
+
+
+def write_safetensors(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None):
+  """Writes one .safetensors file (bfloat16 included), tensors in sorted name order."""
+  header: dict[str, Any] = {"__metadata__": dict(metadata or {"format": "pt"})}
+  offset, blobs = 0, []
+  for name in sorted(tensors):
+    t = np.ascontiguousarray(tensors[name])
+    blob = t.tobytes()
+    header[name] = {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape),
+                    "data_offsets": [offset, offset + len(blob)]}
+    offset += len(blob)
+    blobs.append(blob)
+  raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+  raw += b" " * (-len(raw) % 8)
+  with open(path, "wb") as f:
+    f.write(struct.pack("<Q", len(raw)))
+    f.write(raw)
+    for blob in blobs:
+      f.write(blob)
+
+
+def _np(x, dtype) -> np.ndarray:
+  return np.asarray(jax.device_get(x)).astype(dtype)
+
+
+def _layer_tensors(prefix: str, layer: LayerParams, cfg: ModelConfig, dtype) -> dict[str, np.ndarray]:
+  """Our [in, out] layer weights -> PyTorch [out, in] tensors (inverse of TensorReader.layer)."""
+  h, n, k, d, i = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                   cfg.intermediate_size)
+  a = prefix + "self_attn."
+  wkv = _np(layer.wkv, dtype)
+  gu = _np(layer.w_gate_up, dtype)
+  t = {
+      prefix + "input_layernorm.weight": _np(layer.input_norm, dtype),
+      a + "q_proj.weight": _np(layer.wq, dtype).reshape(h, n * d).T,
+      a + "k_proj.weight": wkv[:, 0].reshape(h, k * d).T,
+      a + "v_proj.weight": wkv[:, 1].reshape(h, k * d).T,
+      a + "o_proj.weight": _np(layer.wo, dtype).reshape(n * d, h).T,
+      prefix + "post_attention_layernorm.weight": _np(layer.post_norm, dtype),
+      prefix + "mlp.gate_proj.weight": gu[:, 0].T,
+      prefix + "mlp.up_proj.weight": gu[:, 1].T,
+      prefix + "mlp.down_proj.weight": _np(layer.w_down, dtype).T,
+  }
+  if cfg.qk_norm:
+    t[a + "q_norm.weight"] = _np(layer.q_norm, dtype)
+    t[a + "k_norm.weight"] = _np(layer.k_norm, dtype)
+  return t
+
+
+def _hf_fields(cfg: ModelConfig, dtype_name: str) -> dict[str, Any]:
+  return {
+      "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+      "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+      "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+      "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
+      "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_position_embeddings,
+      "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0,
+      "use_sliding_window": False, "sliding_window": None,
+      "layer_types": ["full_attention"] * cfg.num_layers, "torch_dtype": dtype_name,
+  }
+
+
+def _write_tokenizer(path: str, tokenizer, eos_token: str | None):
+  tokenizer.save(os.path.join(path, "tokenizer.json"))
+  tc = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
+  if eos_token:
+    tc.update(eos_token=eos_token, pad_token=eos_token)
+  with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+    json.dump(tc, f, indent=2)
+
+
+def save_target_hf(path: str, params: Params, cfg: ModelConfig, tokenizer=None,
+                   dtype="bfloat16") -> str:
+  """Writes a Hugging Face Qwen3 directory (config.json, model.safetensors in PyTorch [out, in]
+  layout, tokenizer.json when given): the exact inverse of `load_target_params`."""
+  if cfg.model_type != "qwen3":
+    raise ValueError(f"save_target_hf writes qwen3 checkpoints, not {cfg.model_type!r}")
+  dt = np.dtype(parse_dtype(dtype))
+  dtype_name = {np.dtype(jnp.bfloat16): "bfloat16", np.dtype(np.float32): "float32",
+                np.dtype(np.float16): "float16"}[dt]
+  os.makedirs(path, exist_ok=True)
+  t = {"model.embed_tokens.weight": _np(params.embed, dt), "model.norm.weight": _np(params.final_norm, dt)}
+  for i, layer in enumerate(params.layers):
+    t.update(_layer_tensors(f"model.layers.{i}.", layer, cfg, dt))
+  if not cfg.tie_word_embeddings:
+    t["lm_head.weight"] = _np(params.lm_head, dt).T
+  write_safetensors(os.path.join(path, "model.safetensors"), t)
+  eos = list(cfg.eos_token_ids)
+  conf = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **_hf_fields(cfg, dtype_name),
+          "tie_word_embeddings": cfg.tie_word_embeddings,
+          "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+          "bos_token_id": None, "use_cache": True}
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(conf, f, indent=2)
+  if eos:
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+      json.dump({"eos_token_id": conf["eos_token_id"], "do_sample": False}, f, indent=2)
+  if tokenizer is not None:
+    _write_tokenizer(path, tokenizer, tokenizer.id_to_token(eos[0]) if eos else None)
+  return path
+
+
+def save_drafter_hf(path: str, params, dcfg, num_target_layers: int, dtype="bfloat16") -> str:
+  """Writes a z-lab-format DFlash drafter directory (config.json with block_size,
+  dflash_config.{mask_token_id, target_layer_ids}, num_target_layers; model.safetensors with
+  fc / hidden_norm / norm / layers.{i}.*): the exact inverse of `load_drafter`."""
+  lc = dcfg.layers
+  dt = np.dtype(parse_dtype(dtype))
+  dtype_name = {np.dtype(jnp.bfloat16): "bfloat16", np.dtype(np.float32): "float32",
+                np.dtype(np.float16): "float16"}[dt]
+  os.makedirs(path, exist_ok=True)
+  t = {"fc.weight": _np(params.fc, dt).T, "hidden_norm.weight": _np(params.hidden_norm, dt),
+       "norm.weight": _np(params.final_norm, dt)}
+  for i, layer in enumerate(params.layers):
+    t.update(_layer_tensors(f"layers.{i}.", layer, lc, dt))
+  write_safetensors(os.path.join(path, "model.safetensors"), t)
+  conf = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", **_hf_fields(lc, dtype_name),
+          "tie_word_embeddings": False, "num_target_layers": int(num_target_layers),
+          "block_size": dcfg.block_size,
+          "dflash_config": {"mask_token_id": dcfg.mask_token_id,
+                            "target_layer_ids": list(dcfg.target_layer_ids)}}
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(conf, f, indent=2)
+  return path

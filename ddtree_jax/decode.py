@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from ddtree_jax import model
+from ddtree_jax import sharding
 from ddtree_jax import tree as tree_lib
 from ddtree_jax import verify
 from ddtree_jax.attention import attend_xla
@@ -33,15 +35,20 @@ class LoopConfig:
   budget: int = 0                 # non-root tree nodes (ddtree)
   topk_cap: int | None = None
   temperature: float = 0.0
+  top_k: int | None = None
+  top_p: float | None = None
   stop_ids: tuple[int, ...] = ()
   attention: str = "xla"
+  mesh: Any = None                # jax.sharding.Mesh: state constrained, attention per shard
+  rules: Any = None               # sharding.ShardingRules (None: the defaults)
 
   @property
   def attn_fn(self):
+    fn = attend_xla
     if self.attention == "pallas":
-      from ddtree_jax.pallas import tree_attention  # pylint: disable=import-outside-toplevel
-      return tree_attention.tree_attention
-    return attend_xla
+      from ddtree_jax.pallas.tree_attention import tree_attention  # pylint: disable=import-outside-toplevel
+      fn = tree_attention
+    return fn if self.mesh is None else sharding.shard_attention(fn, self.mesh, self.rules)
 
 
 @jax.tree_util.register_dataclass
@@ -119,7 +126,7 @@ def verify_and_pick(tparams, tcfg, dcfg, lc: LoopConfig, state: DecodeState, tre
   logits, new_k, new_v, taps = verify.verify_tree(tparams, tcfg, state.cache, tree.tokens,
                                                   tree.depths, tree.visibility, taps_at,
                                                   lc.attn_fn)
-  return verify.pick(logits, lc.temperature, key), new_k, new_v, taps
+  return verify.pick(logits, lc.temperature, key, lc.top_k, lc.top_p), new_k, new_v, taps
 
 
 def accept_and_commit(dparams, dcfg, lc: LoopConfig, state, tree, post, new_k, new_v, taps, key):
@@ -145,6 +152,7 @@ def prefill(tparams, dparams, tokens, lens, key, *, tcfg, dcfg, lc: LoopConfig, 
   b, t = tokens.shape
   cache = model.init_cache(tcfg.num_layers, b, tcfg.num_kv_heads, capacity, tcfg.head_dim,
                            tparams.embed.dtype)
+  cache = sharding.constrain(cache, lc.mesh, lc.rules)
   positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
   taps_at = () if dcfg is None else dcfg.target_layer_ids
   hidden, new_k, new_v, taps = model.forward(tparams, tcfg, tokens, positions, cache,
@@ -156,16 +164,19 @@ def prefill(tparams, dparams, tokens, lens, key, *, tcfg, dcfg, lc: LoopConfig, 
     dk, dv = dcfg.context(dparams, taps, positions)
     draft_cache = model.init_cache(dl.num_layers, b, dl.num_kv_heads, capacity, dl.head_dim,
                                    dk[0].dtype)
+    draft_cache = sharding.constrain(draft_cache, lc.mesh, lc.rules)
     draft_cache = model.commit(draft_cache, dk, dv, positions, lens)
   last = jnp.take_along_axis(hidden, (lens - 1)[:, None, None], axis=1)[:, 0]
   key, pick_key = jax.random.split(key)
-  first = verify.pick(model.lm_head(tparams, last), lc.temperature, pick_key)
+  first = verify.pick(model.lm_head(tparams, last), lc.temperature, pick_key, lc.top_k,
+                      lc.top_p)
   m = lc.max_new_tokens
   done = jnp.isin(first, jnp.asarray(lc.stop_ids, jnp.int32)) | (m <= 1)
-  return DecodeState(
+  state = DecodeState(
       cache=cache, draft_cache=draft_cache, bonus=first,
       out=jnp.zeros((b, m), jnp.int32).at[:, 0].set(first), n_out=jnp.ones((b,), jnp.int32),
       done=done, accepted=jnp.zeros((m, b), jnp.int32), step=jnp.zeros((), jnp.int32), key=key)
+  return sharding.constrain(state, lc.mesh, lc.rules)
 
 
 @functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "lc"), donate_argnames=("state",))
@@ -173,5 +184,6 @@ def decode_loop(tparams, dparams, state, *, tcfg, dcfg, lc: LoopConfig):
   """Steps until every sequence is done, all inside one `lax.while_loop`."""
   max_steps = max(lc.max_new_tokens - 1, 0)  # every active step emits at least one token
   cond = lambda s: (s.step < max_steps) & ~jnp.all(s.done)
-  body = lambda s: step(tparams, tcfg, dparams, dcfg, lc, s)
+  body = lambda s: sharding.constrain(step(tparams, tcfg, dparams, dcfg, lc, s), lc.mesh,
+                                      lc.rules)
   return jax.lax.while_loop(cond, body, state)

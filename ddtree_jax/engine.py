@@ -13,6 +13,7 @@ import numpy as np
 from ddtree_jax import decode
 from ddtree_jax import drafter as drafter_lib
 from ddtree_jax import model
+from ddtree_jax import sharding
 from ddtree_jax.checkpoint import Drafter, Target
 
 MAX_BUDGET = 1024
@@ -33,7 +34,7 @@ def _default_attention() -> str:
 
 
 def _validate(target, prompts, method, max_new_tokens, drafter, budget, topk_cap, attention,
-              temperature):
+              temperature, top_k, top_p):
   if method not in decode.METHODS:
     raise ValueError(f"unknown method {method!r}; choose one of {decode.METHODS}")
   if attention not in decode.ATTENTIONS:
@@ -50,6 +51,10 @@ def _validate(target, prompts, method, max_new_tokens, drafter, budget, topk_cap
     raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
   if temperature < 0:
     raise ValueError(f"temperature must be >= 0, got {temperature}")
+  if top_k is not None and top_k < 1:
+    raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
+  if top_p is not None and not 0.0 < top_p <= 1.0:
+    raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
   if method != "ar" and drafter is None:
     raise ValueError(f"method {method!r} needs a drafter (generate(..., drafter=load_drafter(...)))")
   if method == "ddtree":
@@ -70,10 +75,13 @@ _PROGRAMS: dict = {}
 def _programs(args, capacity, statics):
   """AOT-compiled (prefill, decode loop), cached by every static that shapes them."""
   key = (capacity, tuple(sorted(statics.items(), key=lambda kv: kv[0])),
-         jax.tree.structure(args), tuple((x.shape, x.dtype) for x in jax.tree.leaves(args)))
+         jax.tree.structure(args),
+         tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in jax.tree.leaves(args)))
   if key not in _PROGRAMS:
     prefill = decode.prefill.lower(*args, capacity=capacity, **statics).compile()
-    state = jax.eval_shape(lambda *a: decode.prefill(*a, capacity=capacity, **statics), *args)
+    # The loop takes the state exactly as prefill lays it out (shardings included).
+    state = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=s.sharding),
+                         prefill.out_info)
     loop = decode.decode_loop.lower(args[0], args[1], state, **statics).compile()
     _PROGRAMS[key] = (prefill, loop)
   return _PROGRAMS[key]
@@ -83,15 +91,19 @@ def generate(target: Target, prompts: Sequence[Sequence[int]], *, method: str = 
              max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
              stop_token_ids=None, drafter: Drafter | None = None, budget: int | None = None,
              topk_cap: int | None = None, cache_capacity: int | None = None,
-             attention: str | None = None) -> GenerateResult:
+             attention: str | None = None, top_k: int | None = None,
+             top_p: float | None = None) -> GenerateResult:
   """Generates up to `max_new_tokens` per prompt with AR, chain (DFlash) or DDTree decoding.
 
+  temperature > 0 samples from the target's distribution (optionally top_k / top_p filtered);
+  chain and ddtree then draw one target sample per tree node and walk the tree with them, so
+  every committed token is a genuine target sample (lossless). Same seed, same output.
   The cache holds `cache_capacity` rows per sequence (default: the longest prompt plus
   max_new_tokens, rounded up to 128); requests that do not fit are refused, never clamped.
   """
   attention = attention or _default_attention()
   _validate(target, prompts, method, max_new_tokens, drafter, budget, topk_cap, attention,
-            temperature)
+            temperature, top_k, top_p)
   stop = target.config.eos_token_ids if stop_token_ids is None else tuple(stop_token_ids)
   lens = np.array([len(p) for p in prompts], np.int32)
   need = int(lens.max()) + max_new_tokens - 1
@@ -110,10 +122,15 @@ def generate(target: Target, prompts: Sequence[Sequence[int]], *, method: str = 
       method=method, max_new_tokens=int(max_new_tokens),
       num_drafts=dcfg.num_drafts if use_drafter else 0,
       budget=int(budget) if method == "ddtree" else 0, topk_cap=topk_cap,
-      temperature=float(temperature), stop_ids=tuple(int(s) for s in stop), attention=attention)
+      temperature=float(temperature), top_k=top_k if temperature else None,
+      top_p=top_p if temperature else None, stop_ids=tuple(int(s) for s in stop),
+      attention=attention)
+  mesh, rules = target.mesh, target.rules  # tensor/data parallel (sharding.py) when mesh is set
+  lc = dataclasses.replace(lc, mesh=mesh, rules=rules)
   statics = dict(tcfg=target.config, dcfg=dcfg, lc=lc)
-  args = (target.params, dparams, jnp.asarray(tokens), jnp.asarray(lens),
-          jax.random.key(seed))
+  tokens, lens = sharding.pad_batch((tokens, lens), mesh, rules)  # batch: a multiple of dp
+  args = (target.params, dparams, sharding.put_batch(tokens, mesh, rules),
+          sharding.put_batch(lens, mesh, rules), sharding.replicate(jax.random.key(seed), mesh))
 
   t0 = time.perf_counter()
   prefill, loop = _programs(args, capacity, statics)
@@ -123,7 +140,10 @@ def generate(target: Target, prompts: Sequence[Sequence[int]], *, method: str = 
   state = jax.block_until_ready(loop(target.params, dparams, state))
   t3 = time.perf_counter()
 
-  out, n_out, accepted, steps = jax.device_get((state.out, state.n_out, state.accepted, state.step))
+  out, n_out, accepted, steps = sharding.to_host((state.out, state.n_out, state.accepted,
+                                                  state.step))
+  n = len(prompts)  # rows past n are dp padding
+  out, n_out, accepted = out[:n], n_out[:n], accepted[:, :n]
   steps = int(steps)
   per_seq = [[int(a) for a in accepted[:steps, b] if a > 0] for b in range(len(prompts))]
   flat = [a for seq in per_seq for a in seq]

@@ -50,8 +50,27 @@ def accept(tokens, parents, depths, visibility, post, max_depth: int):
   return path, tau, emitted
 
 
-def pick(logits, temperature: float, key):
-  """The target's choice per node: argmax at T = 0, else one independent sample per node."""
+def filter_logits(logits, temperature: float, top_k: int | None = None, top_p: float | None = None):
+  """Target sampling distribution as float32 logits: / temperature, then top-k, then top-p
+  (smallest set of most likely tokens whose mass reaches top_p); removed tokens get -inf."""
+  logits = logits.astype(jnp.float32) / temperature
+  if top_k is not None and top_k < logits.shape[-1]:
+    kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
+    logits = jnp.where(logits >= kth, logits, -jnp.inf)
+  if top_p is not None and top_p < 1.0:
+    order = jnp.argsort(-logits, axis=-1)
+    probs = jax.nn.softmax(jnp.take_along_axis(logits, order, axis=-1), axis=-1)
+    keep_sorted = jnp.cumsum(probs, axis=-1) - probs < top_p  # the top token always stays
+    keep = jnp.zeros_like(keep_sorted).at[
+        tuple(jnp.indices(order.shape)[:-1]) + (order,)].set(keep_sorted)
+    logits = jnp.where(keep, logits, -jnp.inf)
+  return logits
+
+
+def pick(logits, temperature: float, key, top_k: int | None = None, top_p: float | None = None):
+  """The target's choice per node: argmax at T = 0, else one independent sample per node from
+  the filtered distribution (sample-and-match keeps every committed token a target sample)."""
   if temperature == 0.0:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  return jax.random.categorical(key, logits / temperature, axis=-1).astype(jnp.int32)
+  filtered = filter_logits(logits, temperature, top_k, top_p)
+  return jax.random.categorical(key, filtered, axis=-1).astype(jnp.int32)

@@ -2,6 +2,7 @@
 
   python experiments/bench_step.py                 # full table (H200)
   python experiments/bench_step.py --small         # tiny shapes, runs on CPU (smoke)
+  python experiments/bench_step.py --mesh_tp=8      # tensor parallel (ar/spec sections)
 
 Prints, in one run: copy bandwidth; AR step vs the weight+KV bandwidth floor; per-step time of
 chain and DDTree by budget with the per-stage split (draft, tree, verify, accept+commit, each its
@@ -18,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax import decode, model, profiling
+from ddtree_jax import decode, model, profiling, sharding
 from ddtree_jax.config import ModelConfig
 from ddtree_jax.drafter import DrafterConfig, DrafterParams
 
@@ -31,10 +32,13 @@ flags.DEFINE_integer("spec_prefix", 1024, "prefix length for chain/ddtree rows")
 flags.DEFINE_string("attention", "xla", "comma list: xla, pallas")
 flags.DEFINE_integer("steps", 32, "decode steps timed per row")
 flags.DEFINE_integer("repeats", 5, "timed repeats (median)")
-flags.DEFINE_string("json_out", "", "write all rows here as JSON")
+flags.DEFINE_string("json_out", "", "append each row here as a JSON line as soon as measured")
+flags.DEFINE_bool("stages", True, "also time the stages as separate programs")
+sharding.define_mesh_flags()
 FLAGS = flags.FLAGS
 
 ROWS = []
+MESH = None  # set from --mesh_dp/--mesh_tp in main
 
 
 def qwen3_8b(small):
@@ -75,19 +79,28 @@ def make_state(key, tcfg, dcfg, lc, batch, prefix):
   capacity = prefix + lc.max_new_tokens + 16
   k1, k2 = jax.random.split(key)
   m = lc.max_new_tokens
-  return decode.DecodeState(
+  state = decode.DecodeState(
       cache=random_cache(k1, tcfg, batch, capacity, prefix),
       draft_cache=None if dcfg is None else random_cache(k2, dcfg.layers, batch, capacity, prefix),
       bonus=jnp.full((batch,), 11, jnp.int32), out=jnp.zeros((batch, m), jnp.int32),
       n_out=jnp.ones((batch,), jnp.int32), done=jnp.zeros((batch,), bool),
       accepted=jnp.zeros((m, batch), jnp.int32), step=jnp.zeros((), jnp.int32),
       key=jax.random.key(0))
+  return sharding.shard_params(state, lc.mesh, lc.rules)
+
+
+def loop_config(**kw):
+  """LoopConfig of the ar/spec sections: on the --mesh_* mesh when one is given."""
+  return decode.LoopConfig(mesh=MESH, **kw)
 
 
 def time_loop(tp, tcfg, dp, dcfg, lc, batch, prefix, repeats):
   """(seconds per step, compile seconds) of the real while_loop over lc.max_new_tokens-1 steps."""
   make = lambda: make_state(jax.random.key(1), tcfg, dcfg, lc, batch, prefix)
   shape = jax.eval_shape(make)
+  if lc.mesh is not None:  # eval_shape drops shardings: the loop is compiled for the placed state
+    shape = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shape,
+                         sharding.shardings(shape, lc.mesh, lc.rules))
   t0 = time.perf_counter()
   loop = decode.decode_loop.lower(tp, dp, shape, tcfg=tcfg, dcfg=dcfg, lc=lc).compile()
   compile_s = time.perf_counter() - t0
@@ -111,6 +124,9 @@ def copy_bandwidth(small):
 def emit(row):
   ROWS.append(row)
   print(json.dumps(row), flush=True)
+  if FLAGS.json_out:
+    with open(FLAGS.json_out, "a") as f:
+      f.write(json.dumps(row) + "\n")
 
 
 def main(_):
@@ -118,8 +134,11 @@ def main(_):
   sections = FLAGS.sections.split(",")
   tcfg = qwen3_8b(small)
   key = jax.random.key(0)
-  tp = model.init_params(tcfg, key)
+  global MESH
+  MESH = sharding.mesh_from_flags()
+  tp = sharding.shard_params(model.init_params(tcfg, key), MESH)
   dp, dcfg = make_drafter(tcfg, jax.random.key(1), small)
+  dp = sharding.shard_params(dp, MESH)
   batches = [int(b) for b in FLAGS.batches.split(",")]
   print(f"devices: {jax.devices()}  target params {model.param_bytes(tp) / 1e9:.2f} GB  "
         f"drafter {model.param_bytes(dp) / 1e9:.2f} GB", flush=True)
@@ -134,7 +153,7 @@ def main(_):
     for attn in attns:
       for b in batches:
         for prefix in [int(p) for p in FLAGS.prefixes.split(",")]:
-          lc = decode.LoopConfig(method="ar", max_new_tokens=steps + 1, attention=attn)
+          lc = loop_config(method="ar", max_new_tokens=steps + 1, attention=attn)
           s, c = time_loop(tp, tcfg, None, None, lc, b, prefix, FLAGS.repeats)
           floor = (weight_bytes + b * prefix * kv_row) / bw
           ar_ms[(attn, b, prefix)] = s * 1e3
@@ -147,16 +166,18 @@ def main(_):
     for attn in attns:
       for b in batches:
         if (attn, b, prefix) not in ar_ms:
-          lc = decode.LoopConfig(method="ar", max_new_tokens=steps + 1, attention=attn)
+          lc = loop_config(method="ar", max_new_tokens=steps + 1, attention=attn)
           ar_ms[(attn, b, prefix)] = time_loop(tp, tcfg, None, None, lc, b, prefix,
                                                FLAGS.repeats)[0] * 1e3
         for method, budget in runs:
-          lc = decode.LoopConfig(method=method, max_new_tokens=steps + 1, num_drafts=15,
-                                 budget=budget, attention=attn)
+          lc = loop_config(method=method, max_new_tokens=steps + 1, num_drafts=15,
+                           budget=budget, attention=attn)
           s, c = time_loop(tp, tcfg, dp, dcfg, lc, b, prefix, FLAGS.repeats)
-          big = dataclasses.replace(lc, max_new_tokens=10_000)
-          st = make_state(jax.random.key(2), tcfg, dcfg, big, b, prefix)
-          stages = profiling.stage_seconds(tp, tcfg, dp, dcfg, big, st, repeats=FLAGS.repeats)
+          stages = {}
+          if FLAGS.stages:
+            big = dataclasses.replace(lc, max_new_tokens=10_000)
+            st = make_state(jax.random.key(2), tcfg, dcfg, big, b, prefix)
+            stages = profiling.stage_seconds(tp, tcfg, dp, dcfg, big, st, repeats=FLAGS.repeats)
           emit({"section": "spec", "attention": attn, "method": method, "budget": budget,
                 "batch": b, "prefix": prefix, "step_ms": s * 1e3,
                 "vs_ar_step": s * 1e3 / ar_ms[(attn, b, prefix)], "compile_s": c,
@@ -181,9 +202,6 @@ def main(_):
       emit({"section": "host", "method": method, "budget": budget, "while_loop_step_ms": s_loop * 1e3,
             "python_loop_step_ms": s_py * 1e3, "python_over_while": s_py / s_loop})
   print_tables()
-  if FLAGS.json_out:
-    with open(FLAGS.json_out, "w") as f:
-      json.dump(ROWS, f, indent=1)
 
 
 def print_tables():
@@ -201,8 +219,8 @@ def print_tables():
   for r in ROWS:
     if r["section"] == "spec":
       print(f"{r['attention']:<7}{r['method']:<8}{r['budget']:>5}{r['batch']:>6}{r['step_ms']:>9.3f}"
-            f"{r['vs_ar_step']:>7.2f}{r.get('draft_ms', 0):>8.3f}{r['tree_ms']:>8.3f}"
-            f"{r['verify_ms']:>8.3f}{r['accept_commit_ms']:>8.3f}")
+            f"{r['vs_ar_step']:>7.2f}{r.get('draft_ms', 0):>8.3f}{r.get('tree_ms', 0):>8.3f}"
+            f"{r.get('verify_ms', 0):>8.3f}{r.get('accept_commit_ms', 0):>8.3f}")
   for r in ROWS:
     if r["section"] == "host":
       print(f"host: {r['method']}/B={r['budget']} while_loop {r['while_loop_step_ms']:.3f} ms/step, "

@@ -1,6 +1,7 @@
 """The main job: load a target (and drafter), generate with each method, print text and a table.
 
   python experiments/generate.py --config=configs/default.py --config.methods=ar,chain,ddtree
+  python experiments/generate.py ... --mesh_tp=8            # tensor parallel over 8 devices
 
 The last line printed is one JSON object: {"results": [{method, budget, tau, tokens_per_second}]}.
 """
@@ -11,8 +12,10 @@ from absl import app
 from ml_collections import config_flags
 
 import ddtree_jax as dj
+from ddtree_jax import sharding
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "run configuration")
+sharding.define_mesh_flags()  # --mesh_dp --mesh_tp, multi-host --coordinator_address etc.
 
 
 def _runs(cfg):
@@ -26,7 +29,8 @@ def _runs(cfg):
 
 def main(_):
   cfg = _CONFIG.value
-  target = dj.load_target(cfg.target, dtype=cfg.dtype)
+  mesh = sharding.mesh_from_flags()
+  target = dj.load_target(cfg.target, dtype=cfg.dtype, mesh=mesh)
   drafter = dj.load_drafter(cfg.drafter, target) if cfg.drafter else None
   tok = target.tokenizer
   encode = (lambda s: tok.encode(s).ids) if tok else (lambda s: [ord(c) % target.config.vocab_size for c in s])

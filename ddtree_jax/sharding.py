@@ -1,0 +1,333 @@
+"""Tensor parallelism (and data parallelism over the batch) on a device mesh.
+
+Mesh axes: "tp" splits heads, MLP width and vocab; optional "dp" splits the batch. A
+`ShardingRules` maps the logical axes to mesh axes; the functions below turn a params / cache /
+decode-state pytree into a matching pytree of NamedShardings. Layouts (model.py, drafter.py):
+
+  wq [H, N, D] split N     wkv [H, 2, K, D] split K    wo [N, D, H] split N (row parallel:
+  w_gate_up [H, 2, I] split I    w_down [I, H] split I      XLA inserts the all-reduce)
+  embed [V, H], lm_head [H, V] split V (argmax/top-k still return global ids)
+  norms, q_norm, k_norm replicated; drafter fc [k*H, H] split on its output columns
+  KV cache [B, K, S, D]: B over dp, K over tp; per-sequence decode state over dp
+
+Everything else is GSPMD: params and caches carry NamedShardings and jit propagates them. The
+attention runs per shard inside `jax.shard_map` (`shard_attention`), since a pallas_call cannot
+take sharded operands.
+
+Indivisible dimensions: a dimension mapped to a mesh axis must divide by the axis size, else a
+ValueError names it; nothing is padded or sharded unevenly. Set that rule to None to replicate
+the dimension instead. In particular `ShardingRules(kv_heads=None)` replicates the K/V
+projections and caches over tp (each device holds every kv head, the usual fix when kv heads <
+tp); `shard_attention` then hands each device only the kv heads its own query heads use.
+
+Multi-host: call `initialize_distributed` (or `mesh_from_flags`) on every process first; the
+mesh then spans all hosts' devices and the same code runs on each process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from ddtree_jax.drafter import DrafterParams
+from ddtree_jax.model import KVCache, LayerParams, Params
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingRules:
+  """Logical axis -> mesh axis name (None = replicated). Hashable: usable in a jit static arg.
+
+  A rule naming an axis the mesh lacks is treated as None (a tp-only mesh ignores batch="dp").
+  """
+  batch: str | None = "dp"
+  heads: str | None = "tp"
+  kv_heads: str | None = "tp"
+  mlp: str | None = "tp"
+  vocab: str | None = "tp"
+  fc: str | None = "tp"           # drafter fc output columns
+
+  def __post_init__(self):
+    if self.kv_heads is not None and self.kv_heads != self.heads:
+      raise ValueError(f"kv_heads={self.kv_heads!r} must be sharded like heads={self.heads!r} "
+                       "(or replicated: kv_heads=None)")
+
+
+DEFAULT_RULES = ShardingRules()
+
+
+def make_mesh(shape: dict[str, int] | None = None, devices=None) -> Mesh:
+  """A mesh from axis sizes, e.g. {"dp": 1, "tp": 8}; -1 takes the remaining devices.
+
+  Uses the first prod(shape) of `devices` (default jax.devices(), all hosts). Axes are
+  AxisType.Auto, so jit's GSPMD propagation places everything not pinned explicitly.
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  shape = dict(shape or {"dp": 1, "tp": -1})
+  known = int(np.prod([s for s in shape.values() if s != -1]))
+  shape = {k: (len(devices) // known if s == -1 else int(s)) for k, s in shape.items()}
+  n = int(np.prod(list(shape.values())))
+  if n < 1 or n > len(devices) or any(s < 1 for s in shape.values()):
+    raise ValueError(f"mesh shape {shape} needs {n} devices; {len(devices)} available")
+  return jax.make_mesh(tuple(shape.values()), tuple(shape), devices=devices[:n],
+                       axis_types=(AxisType.Auto,) * len(shape))
+
+
+def check_mesh(mesh: Mesh) -> Mesh:
+  """Refuses meshes with Explicit/Manual axes: the engine relies on GSPMD (Auto) propagation."""
+  bad = [a for a, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Auto]
+  if bad:
+    raise ValueError(f"mesh axes {bad} are not AxisType.Auto; build it with sharding.make_mesh")
+  return mesh
+
+
+def _axis(mesh: Mesh, rules: ShardingRules, field: str, size: int, what: str):
+  """The mesh axis for logical axis `field` of a dimension of `size`, or None (replicated).
+  Raises ValueError when the axis size does not divide `size`."""
+  name = getattr(rules, field)
+  if name is None or name not in mesh.shape:
+    return None
+  if size % mesh.shape[name]:
+    raise ValueError(f"{what} ({size}) is not divisible by mesh axis {name!r} of size "
+                     f"{mesh.shape[name]}; use a mesh that divides it, or "
+                     f"ShardingRules({field}=None) to replicate it")
+  return name
+
+
+# --------------------------------------------------------------------------------------------
+# PartitionSpec pytrees
+
+
+def _layer_specs(layer: LayerParams, mesh, rules) -> LayerParams:
+  hd = _axis(mesh, rules, "heads", layer.wq.shape[1], "query heads")
+  kv = _axis(mesh, rules, "kv_heads", layer.wkv.shape[2], "kv heads")
+  ml = _axis(mesh, rules, "mlp", layer.w_down.shape[0], "intermediate_size")
+  opt = lambda x: None if x is None else P()
+  return LayerParams(input_norm=P(), wq=P(None, hd, None), wkv=P(None, None, kv, None),
+                     wo=P(hd, None, None), q_norm=opt(layer.q_norm), k_norm=opt(layer.k_norm),
+                     post_norm=P(), w_gate_up=P(None, None, ml), w_down=P(ml, None))
+
+
+def _param_specs(params: Params, mesh, rules) -> Params:
+  voc = _axis(mesh, rules, "vocab", params.embed.shape[0], "vocab_size")
+  return Params(embed=P(voc, None), layers=[_layer_specs(l, mesh, rules) for l in params.layers],
+                final_norm=P(), lm_head=None if params.lm_head is None else P(None, voc))
+
+
+def _drafter_specs(params: DrafterParams, mesh, rules) -> DrafterParams:
+  fc = _axis(mesh, rules, "fc", params.fc.shape[1], "drafter fc output (hidden_size)")
+  return DrafterParams(fc=P(None, fc), hidden_norm=P(),
+                       layers=[_layer_specs(l, mesh, rules) for l in params.layers],
+                       final_norm=P())
+
+
+def _cache_specs(cache: KVCache, mesh, rules) -> KVCache:
+  bt = _axis(mesh, rules, "batch", cache.lens.shape[0], "batch")
+  kv = _axis(mesh, rules, "kv_heads", cache.k[0].shape[1], "kv heads") if cache.k else None
+  spec = P(bt, kv, None, None)
+  return KVCache(k=[spec] * len(cache.k), v=[spec] * len(cache.v), lens=P(bt))
+
+
+# decode.DecodeState fields split over dp and the dimension that holds the batch; every other
+# field (step, key, anything unknown) is replicated.
+_STATE_BATCH_DIM = {"bonus": 0, "out": 0, "n_out": 0, "done": 0, "accepted": 1}
+
+
+def _state_specs(state, mesh, rules):
+  fields = {}
+  for f in dataclasses.fields(state):
+    x = getattr(state, f.name)
+    if x is None or isinstance(x, KVCache):
+      fields[f.name] = None if x is None else _cache_specs(x, mesh, rules)
+    elif f.name in _STATE_BATCH_DIM:
+      dim = _STATE_BATCH_DIM[f.name]
+      spec = [None] * len(x.shape)
+      spec[dim] = _axis(mesh, rules, "batch", x.shape[dim], "batch")
+      fields[f.name] = P(*spec)
+    else:
+      fields[f.name] = jax.tree.map(lambda _: P(), x)
+  return type(state)(**fields)
+
+
+def specs(tree, mesh: Mesh, rules: ShardingRules | None = None):
+  """PartitionSpecs for a Params, DrafterParams, LayerParams, KVCache or decode.DecodeState
+  (arrays or ShapeDtypeStructs), same structure; None leaves stay None."""
+  rules = rules or DEFAULT_RULES
+  if isinstance(tree, Params):
+    return _param_specs(tree, mesh, rules)
+  if isinstance(tree, DrafterParams):
+    return _drafter_specs(tree, mesh, rules)
+  if isinstance(tree, LayerParams):
+    return _layer_specs(tree, mesh, rules)
+  if isinstance(tree, KVCache):
+    return _cache_specs(tree, mesh, rules)
+  if dataclasses.is_dataclass(tree) and hasattr(tree, "cache") and hasattr(tree, "bonus"):
+    return _state_specs(tree, mesh, rules)
+  raise TypeError(f"no sharding layout for {type(tree).__name__}")
+
+
+def shardings(tree, mesh: Mesh, rules: ShardingRules | None = None):
+  """The NamedSharding pytree for `tree` (see `specs`)."""
+  return jax.tree.map(lambda s: NamedSharding(mesh, s), specs(tree, mesh, rules),
+                      is_leaf=lambda x: isinstance(x, P))
+
+
+def shard_params(tree, mesh: Mesh | None, rules: ShardingRules | None = None):
+  """Places params (target or drafter), a cache or a decode state on the mesh (None: as is)."""
+  if mesh is None:
+    return tree
+  return jax.device_put(tree, shardings(tree, check_mesh(mesh), rules))
+
+
+def constrain(tree, mesh: Mesh | None, rules: ShardingRules | None = None):
+  """with_sharding_constraint to the layout of `tree` inside jit; identity when mesh is None."""
+  if mesh is None or tree is None:
+    return tree
+  return jax.lax.with_sharding_constraint(tree, shardings(tree, mesh, rules))
+
+
+# --------------------------------------------------------------------------------------------
+# Engine inputs and outputs
+
+
+def batch_multiple(mesh: Mesh | None, rules: ShardingRules | None = None) -> int:
+  """The batch must be a multiple of this (the dp axis size; 1 without a mesh)."""
+  name = (rules or DEFAULT_RULES).batch
+  return 1 if mesh is None or name not in mesh.shape else mesh.shape[name]
+
+
+def pad_batch(arrays, mesh: Mesh | None, rules: ShardingRules | None = None):
+  """Pads numpy arrays [B, ...] to a batch multiple of dp by repeating row 0 (a real prompt, so
+  the padding finishes with it); callers drop rows >= B from the results."""
+  m = batch_multiple(mesh, rules)
+  extra = -arrays[0].shape[0] % m
+  if not extra:
+    return tuple(arrays)
+  return tuple(np.concatenate([a, np.repeat(a[:1], extra, axis=0)]) for a in arrays)
+
+
+def put_batch(x: np.ndarray, mesh: Mesh | None, rules: ShardingRules | None = None):
+  """Host array [B, ...] -> device array with B over dp (each process supplies its shards)."""
+  if mesh is None:
+    return jnp.asarray(x)
+  bt = _axis(mesh, rules or DEFAULT_RULES, "batch", x.shape[0], "batch")
+  sh = NamedSharding(mesh, P(bt, *[None] * (x.ndim - 1)))
+  return jax.make_array_from_callback(x.shape, sh, lambda idx: x[idx])
+
+
+def replicate(x, mesh: Mesh | None):
+  """A small array (e.g. a PRNG key) replicated over the mesh (every process passes the same)."""
+  if mesh is None:
+    return x
+  sh = NamedSharding(mesh, P())
+  if jax.process_count() == 1:
+    return jax.device_put(x, sh)
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):  # multi-host: rebuild from key data
+    data = np.asarray(jax.random.key_data(x))
+    raw = jax.make_array_from_callback(data.shape, sh, lambda idx: data[idx])
+    return jax.random.wrap_key_data(raw, impl=jax.random.key_impl(x))
+  data = np.asarray(x)
+  return jax.make_array_from_callback(data.shape, sh, lambda idx: data[idx])
+
+
+def to_host(tree):
+  """Device arrays -> numpy, gathering shards from every process when multi-host."""
+  leaves = jax.tree.leaves(tree)
+  if all(getattr(x, "is_fully_addressable", True) for x in leaves):
+    return jax.device_get(tree)
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  return multihost_utils.process_allgather(tree, tiled=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Attention under shard_map
+
+
+def shard_attention(attn_fn: Callable, mesh: Mesh, rules: ShardingRules | None = None) -> Callable:
+  """Wraps an attention with the `attention.attend_xla` contract to run per shard in shard_map.
+
+  Split: batch over dp (when it divides), query heads q [B, T, N, D] on N and caches
+  [B, K, S, D] / new rows [B, T, K, D] on K over tp; prefix_len [B] and new_mask [B, T, T] on B
+  only. Attention is independent per (sequence, kv head), so there is no communication. With
+  replicated kv heads (rules.kv_heads None) each device slices out the kv heads of its own query
+  heads; if no clean split exists the heads are computed replicated (correct, just slower).
+  """
+  rules = rules or DEFAULT_RULES
+
+  def wrapped(q, k_cache, v_cache, prefix_len, k_new, v_new, new_mask, *, scale, **kw):
+    b, hq, hkv = q.shape[0], q.shape[2], k_cache.shape[1]
+    size = lambda name: mesh.shape[name] if name in mesh.shape else 1
+    bt = rules.batch if rules.batch in mesh.shape and b % size(rules.batch) == 0 else None
+    hd = rules.heads if rules.heads in mesh.shape and hq % size(rules.heads) == 0 else None
+    kv = hd if hd is not None and rules.kv_heads == hd and hkv % size(hd) == 0 else None
+    g = hq // hkv
+    n_loc = hq // size(hd) if hd else hq
+    if hd is not None and kv is None and n_loc % g and g % n_loc:
+      hd = None  # a query-head shard would straddle kv groups: compute every head on every device
+      n_loc = hq
+    kv_loc = max(1, n_loc // g)
+
+    def local(q, kc, vc, plen, kn, vn, mask):
+      if hd is not None and kv is None:  # replicated kv heads: keep those of the local q heads
+        start = jax.lax.axis_index(hd) * n_loc // g
+        take = lambda x, axis: jax.lax.dynamic_slice_in_dim(x, start, kv_loc, axis)
+        kc, vc, kn, vn = take(kc, 1), take(vc, 1), take(kn, 2), take(vn, 2)
+      return attn_fn(q, kc, vc, plen, kn, vn, mask, scale=scale, **kw)
+
+    q_spec, c_spec, n_spec = P(bt, None, hd, None), P(bt, kv, None, None), P(bt, None, kv, None)
+    return jax.shard_map(local, mesh=mesh, out_specs=q_spec, check_vma=False,
+                         in_specs=(q_spec, c_spec, c_spec, P(bt), n_spec, n_spec,
+                                   P(bt, None, None)))(
+        q, k_cache, v_cache, prefix_len, k_new, v_new, new_mask)
+
+  return wrapped
+
+
+# --------------------------------------------------------------------------------------------
+# Multi-host start and absl flags
+
+
+def initialize_distributed(coordinator_address: str | None = None, num_processes: int = 1,
+                           process_id: int = 0) -> None:
+  """Multi-host entry: run on every process before any other JAX call.
+
+  Calls `jax.distributed.initialize` only when num_processes > 1 (a single process needs
+  nothing). Afterwards jax.devices() lists every host's devices, `make_mesh` spans them, and
+  every process runs the same program (SPMD); `to_host` gathers results on each process.
+  """
+  if num_processes > 1:
+    jax.distributed.initialize(coordinator_address=coordinator_address,
+                               num_processes=num_processes, process_id=process_id)
+
+
+def define_mesh_flags() -> None:
+  """absl flags --coordinator_address --num_processes --process_id --mesh_dp --mesh_tp."""
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  if "mesh_tp" in flags.FLAGS:
+    return
+  flags.DEFINE_string("coordinator_address", None, "multi-host: host:port of process 0")
+  flags.DEFINE_integer("num_processes", 1, "multi-host: number of processes")
+  flags.DEFINE_integer("process_id", 0, "multi-host: index of this process")
+  flags.DEFINE_integer("mesh_dp", 1, "data-parallel mesh axis size (batch)")
+  flags.DEFINE_integer("mesh_tp", 1, "tensor-parallel mesh axis size (heads, MLP, vocab)")
+
+
+def mesh_from_flags() -> Mesh | None:
+  """Initialises multi-host if asked, then the {"dp": mesh_dp, "tp": mesh_tp} mesh, or None for
+  a single device (dp = tp = 1 on one process)."""
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  f = flags.FLAGS
+  initialize_distributed(f.coordinator_address, f.num_processes, f.process_id)
+  if f.mesh_dp * f.mesh_tp == 1 and f.num_processes == 1:
+    return None
+  return make_mesh({"dp": f.mesh_dp, "tp": f.mesh_tp})
+
+
+__all__ = ["DEFAULT_RULES", "ShardingRules", "batch_multiple", "check_mesh", "constrain",
+           "define_mesh_flags", "initialize_distributed", "make_mesh", "mesh_from_flags",
+           "pad_batch", "put_batch", "replicate", "shard_attention", "shard_params", "shardings",
+           "specs", "to_host"]

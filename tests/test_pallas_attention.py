@@ -1,0 +1,234 @@
+"""Pallas tree attention vs the plain-XLA reference (CPU: interpret mode) and CUDA lowering checks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from ddtree_jax.attention import attend_xla
+from ddtree_jax.pallas import tree_attention
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated.*")
+
+BUDGETS = [1, 2, 3, 4, 7, 8, 15, 16, 31, 32, 63, 64, 127, 128, 255, 256, 512]
+TRITON_TARGET = "__gpu$xla.gpu.triton"
+
+
+def _inputs(rng, b, t, hq, hkv, s, d, dtype, prefix_len=None, mask=None):
+  """Random q/k/v, ragged prefix lengths and a random mask in which every row sees itself."""
+  f = lambda *shape: jnp.asarray(rng.standard_normal(shape, dtype=np.float32)).astype(dtype)
+  q, k_cache, v_cache = f(b, t, hq, d), f(b, hkv, s, d), f(b, hkv, s, d)
+  k_new, v_new = f(b, t, hkv, d), f(b, t, hkv, d)
+  if prefix_len is None:
+    prefix_len = rng.integers(0, s + 1, size=b)
+  if mask is None:
+    mask = (rng.random((b, t, t)) < 0.5) | np.eye(t, dtype=bool)[None]
+  return (q, k_cache, v_cache, jnp.asarray(prefix_len, jnp.int32), k_new, v_new,
+          jnp.asarray(mask))
+
+
+def _reference(*args, scale):
+  """attend_xla with full-precision float32 dots (on a GPU, XLA may otherwise use TF32)."""
+  with jax.default_matmul_precision("highest"):
+    return attend_xla(*args, scale=scale)
+
+
+def _assert_close(got, want, rel):
+  got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+  assert np.all(np.isfinite(got))
+  err, ref = np.abs(got - want).max(), np.abs(want).max()
+  assert err <= rel * ref + 1e-6, f"max err {err} vs {rel} * {ref}"
+
+
+# (B, T, Hq, Hkv, S, D, prefix lengths, num_splits); prefix lengths cover 0, S and odd values.
+CASES = [
+    (1, 1, 4, 1, 37, 64, [37], None),             # AR decode, G=4, odd S, full prefix
+    (3, 1, 8, 1, 300, 128, [0, 300, 151], 4),      # decode, G=8, split-K, empty and full prefix
+    (2, 3, 8, 2, 100, 64, [0, 99], 1),             # small tree, one split
+    (2, 3, 8, 2, 100, 64, [57, 100], 3),           # small tree, split-K
+    (2, 17, 4, 4, 129, 128, [129, 1], None),       # G=1, T just over a block
+    (2, 33, 16, 4, 65, 64, [64, 33], 2),           # G=4, T=33, split-K
+    (1, 33, 8, 1, 48, 128, [17], 1),               # G=8, T=33: several row blocks
+    (2, 5, 6, 2, 40, 32, [40, 13], 2),             # G=3 (padded to 4), D=32
+]
+
+
+@pytest.mark.parametrize("b,t,hq,hkv,s,d,plen,splits", CASES)
+def test_matches_reference_f32(b, t, hq, hkv, s, d, plen, splits):
+  rng = np.random.default_rng(hash((b, t, hq, hkv, s, d)) % 2**32)
+  args = _inputs(rng, b, t, hq, hkv, s, d, jnp.float32, prefix_len=plen)
+  got = tree_attention(*args, scale=d ** -0.5, num_splits=splits)
+  _assert_close(got, _reference(*args, scale=d ** -0.5), 1e-5)
+
+
+@pytest.mark.parametrize("b,t,hq,hkv,s,d,plen,splits", [
+    (2, 1, 32, 8, 200, 128, [200, 77], None),
+    (2, 17, 8, 2, 99, 128, [0, 99], 2),
+    (1, 33, 4, 1, 64, 64, [31], 1),
+])
+def test_matches_reference_bf16(b, t, hq, hkv, s, d, plen, splits):
+  rng = np.random.default_rng(7 + t)
+  args = _inputs(rng, b, t, hq, hkv, s, d, jnp.bfloat16, prefix_len=plen)
+  got = tree_attention(*args, scale=d ** -0.5, num_splits=splits)
+  assert got.dtype == jnp.bfloat16
+  # Reference on the same bf16 values upcast to float32: XLA:CPU in jax 0.11.2 cannot run some
+  # bf16 x bf16 -> f32 batched dots of attend_xla ("Unsupported element type for DotThunk").
+  up = [a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args]
+  want = _reference(*up, scale=d ** -0.5).astype(jnp.bfloat16)
+  _assert_close(got, want, 1e-2)
+
+
+def test_small_block_k_many_blocks():
+  """block_k=16 forces many loop steps per split and a partial last block."""
+  rng = np.random.default_rng(3)
+  args = _inputs(rng, 2, 3, 4, 2, 90, 64, jnp.float32, prefix_len=[90, 45])
+  got = tree_attention(*args, scale=0.125, block_k=16, num_splits=2)
+  _assert_close(got, _reference(*args, scale=0.125), 1e-5)
+
+
+def test_causal_mask_equals_causal_attention():
+  """Prefix 0 and a causal new_mask == plain causal attention (jax.nn, computed independently)."""
+  rng = np.random.default_rng(11)
+  b, t, hq, hkv, d = 2, 19, 8, 2, 64
+  causal = np.broadcast_to(np.tril(np.ones((t, t), bool)), (b, t, t))
+  q, kc, vc, plen, kn, vn, mask = _inputs(rng, b, t, hq, hkv, 16, d, jnp.float32,
+                                          prefix_len=[0, 0], mask=causal)
+  got = tree_attention(q, kc, vc, plen, kn, vn, mask, scale=d ** -0.5, num_splits=2)
+  with jax.default_matmul_precision("highest"):
+    want = jax.nn.dot_product_attention(q, kn, vn, is_causal=True, scale=d ** -0.5)
+  _assert_close(got, want, 1e-5)
+
+
+def test_tree_node_equals_its_ancestor_chain():
+  """Node i of a tree sees prefix + its ancestors; same as the last row of that path run causally."""
+  rng = np.random.default_rng(5)
+  n, hq, hkv, s, d = 12, 8, 2, 50, 64
+  parents = [-1] + [int(rng.integers(0, i)) for i in range(1, n)]
+  vis = np.zeros((n, n), bool)
+  for i in range(n):
+    j = i
+    while j >= 0:
+      vis[i, j], j = True, parents[j]
+  q, kc, vc, plen, kn, vn, mask = _inputs(rng, 1, n, hq, hkv, s, d, jnp.float32,
+                                          prefix_len=[41], mask=vis[None])
+  tree_out = tree_attention(q, kc, vc, plen, kn, vn, mask, scale=d ** -0.5)
+  for node in (n - 1, n // 2):
+    path = np.flatnonzero(vis[node])  # ancestors in topological order, node last
+    causal = jnp.asarray(np.tril(np.ones((len(path), len(path)), bool))[None])
+    chain = tree_attention(q[:, path], kc, vc, plen, kn[:, path], vn[:, path], causal,
+                           scale=d ** -0.5)
+    _assert_close(tree_out[:, node], chain[:, -1], 1e-5)
+
+
+def test_masking_one_more_key_changes_output():
+  rng = np.random.default_rng(9)
+  b, t, hq, hkv, s, d = 1, 6, 4, 1, 30, 64
+  full = np.broadcast_to(np.ones((t, t), bool), (b, t, t))
+  args = list(_inputs(rng, b, t, hq, hkv, s, d, jnp.float32, prefix_len=[20], mask=full))
+  base = np.asarray(tree_attention(*args, scale=0.125, num_splits=2))
+  # Hide new key 2 from query 4: only row 4 changes.
+  fewer = np.array(full)
+  fewer[0, 4, 2] = False
+  args_m = list(args)
+  args_m[6] = jnp.asarray(fewer)
+  out = np.asarray(tree_attention(*args_m, scale=0.125, num_splits=2))
+  assert np.abs(out[:, 4] - base[:, 4]).max() > 1e-3
+  np.testing.assert_array_equal(np.delete(out, 4, axis=1), np.delete(base, 4, axis=1))
+  # Hide the last prefix row: every query changes.
+  args_p = list(args)
+  args_p[3] = jnp.asarray([19], jnp.int32)
+  out = np.asarray(tree_attention(*args_p, scale=0.125, num_splits=2))
+  assert np.abs(out - base).max(axis=(0, 2, 3)).min() > 1e-4
+
+
+def test_fully_masked_rows_are_zero_not_nan():
+  rng = np.random.default_rng(2)
+  t = 4
+  mask = np.eye(t, dtype=bool)[None]
+  mask[0, 2, 2] = False  # query 2 sees nothing at all (prefix 0)
+  args = _inputs(rng, 1, t, 4, 2, 20, 64, jnp.float32, prefix_len=[0], mask=mask)
+  for splits in (1, 3):
+    out = np.asarray(tree_attention(*args, scale=0.125, num_splits=splits))
+    assert np.all(np.isfinite(out))
+    np.testing.assert_array_equal(out[:, 2], 0.0)
+    _assert_close(np.delete(out, 2, axis=1),
+                  np.delete(np.asarray(_reference(*args, scale=0.125)), 2, axis=1), 1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Lowering for CUDA on a machine without a GPU: an abstract H200 makes the Pallas Triton lowering
+# rule run, which emits the Triton module as a serialized custom call. We also parse that module
+# back and run the MLIR verifier on it (catches ill-typed Triton IR before it reaches a GPU).
+
+
+def _abstract_h200_mesh():
+  from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+  dev = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+  return AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=dev)
+
+
+def _lower_for_h200(b, t, hq, hkv, s, d, dtype=jnp.bfloat16, **kw):
+  sds = jax.ShapeDtypeStruct
+  args = (sds((b, t, hq, d), dtype), sds((b, hkv, s, d), dtype), sds((b, hkv, s, d), dtype),
+          sds((b,), jnp.int32), sds((b, t, hkv, d), dtype), sds((b, t, hkv, d), dtype),
+          sds((b, t, t), jnp.bool_))
+  fn = lambda *a: tree_attention(*a, scale=d ** -0.5, interpret=False, **kw)
+  with jax.sharding.use_abstract_mesh(_abstract_h200_mesh()):
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+
+
+def _triton_custom_calls(lowered):
+  found = []
+
+  def walk(op):
+    for region in op.regions:
+      for block in region.blocks:
+        for inner in block.operations:
+          if inner.operation.name == "stablehlo.custom_call":
+            found.append(inner.operation)
+          walk(inner.operation)
+
+  walk(lowered.compiler_ir("stablehlo").operation)
+  return [op for op in found if TRITON_TARGET in str(op.attributes["call_target_name"])]
+
+
+def _verify_triton_ir(call):
+  """Parse the serialized Triton module of one custom call and run the MLIR verifier on it."""
+  try:
+    from jax._src.lib.mlir import ir
+    from jax._src.pallas.triton import lowering as triton_lowering
+  except ImportError:  # internal API moved: the custom-call check above still stands
+    return None
+  cfg = call.attributes["mhlo.backend_config"]
+  data = ir.StringAttr(cfg["ir"]).value_bytes
+  with triton_lowering._new_ir_context():  # pylint: disable=protected-access
+    module = ir.Module.parse(data)
+    assert module.operation.verify()
+    return module.operation.get_asm()
+
+
+@pytest.mark.parametrize("g", [1, 4])
+def test_lowers_for_h200_at_every_budget(g):
+  hkv, d = 8, 128
+  for budget in BUDGETS:
+    t = budget + 1
+    lowered = _lower_for_h200(2, t, g * hkv, hkv, 4096, d)
+    calls = _triton_custom_calls(lowered)
+    assert len(calls) == 1, (budget, g)
+    asm = _verify_triton_ir(calls[0])
+    if asm is not None:
+      assert "tt.dot" in asm and "scf.for" in asm, (budget, g)
+
+
+@pytest.mark.parametrize("b,t,hq,hkv,s,d,splits", [
+    (1, 1, 32, 8, 32768, 128, None),    # decode: split-K
+    (8, 2048, 32, 8, 2048, 128, None),  # prefill-sized T
+    (1, 9, 24, 8, 1000, 64, 3),         # G=3, D=64
+])
+def test_lowers_for_h200_other_shapes(b, t, hq, hkv, s, d, splits):
+  calls = _triton_custom_calls(_lower_for_h200(b, t, hq, hkv, s, d, num_splits=splits))
+  assert len(calls) == 1
+  _verify_triton_ir(calls[0])
