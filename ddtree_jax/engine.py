@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
 import time
 from typing import Any, Sequence
 
@@ -87,20 +89,9 @@ def _programs(args, capacity, statics):
   return _PROGRAMS[key]
 
 
-def generate(target: Target, prompts: Sequence[Sequence[int]], *, method: str = "ar",
-             max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
-             stop_token_ids=None, drafter: Drafter | None = None, budget: int | None = None,
-             topk_cap: int | None = None, cache_capacity: int | None = None,
-             attention: str | None = None, top_k: int | None = None,
-             top_p: float | None = None) -> GenerateResult:
-  """Generates up to `max_new_tokens` per prompt with AR, chain (DFlash) or DDTree decoding.
-
-  temperature > 0 samples from the target's distribution (optionally top_k / top_p filtered);
-  chain and ddtree then draw one target sample per tree node and walk the tree with them, so
-  every committed token is a genuine target sample (lossless). Same seed, same output.
-  The cache holds `cache_capacity` rows per sequence (default: the longest prompt plus
-  max_new_tokens, rounded up to 128); requests that do not fit are refused, never clamped.
-  """
+def _prepare(target, prompts, *, method, max_new_tokens, temperature, seed, stop_token_ids,
+             drafter, budget, topk_cap, cache_capacity, attention, top_k, top_p):
+  """Validates a request and lays it out in static shapes: (args, capacity, statics)."""
   attention = attention or _default_attention()
   _validate(target, prompts, method, max_new_tokens, drafter, budget, topk_cap, attention,
             temperature, top_k, top_p)
@@ -131,7 +122,59 @@ def generate(target: Target, prompts: Sequence[Sequence[int]], *, method: str = 
   tokens, lens = sharding.pad_batch((tokens, lens), mesh, rules)  # batch: a multiple of dp
   args = (target.params, dparams, sharding.put_batch(tokens, mesh, rules),
           sharding.put_batch(lens, mesh, rules), sharding.replicate(jax.random.key(seed), mesh))
+  return args, capacity, statics
 
+
+def precompile(target: Target, *, batch: int, prompt_len: int, max_new_tokens: int,
+               budgets=(), methods=("ar",), drafter: Drafter | None = None,
+               **kwargs) -> dict[str, float]:
+  """Ahead-of-time compiles the programs `generate` would use for requests of this shape:
+  every method in `methods` ("ddtree" once per budget). Returns compile seconds per program.
+  Pair with `enable_compilation_cache` to keep them across processes."""
+  seconds = {}
+  runs = [(m, b) for m in methods for b in (budgets if m == "ddtree" else (None,))]
+  for method, budget in runs:
+    prompts = [[0] * prompt_len] * batch
+    args, capacity, statics = _prepare(
+        target, prompts, method=method, max_new_tokens=max_new_tokens, drafter=drafter,
+        budget=budget, **({"temperature": 0.0, "seed": 0, "stop_token_ids": None, "topk_cap": None,
+                           "cache_capacity": None, "attention": None, "top_k": None,
+                           "top_p": None} | kwargs))
+    t0 = time.perf_counter()
+    _programs(args, capacity, statics)
+    seconds[method if budget is None else f"{method}/{budget}"] = time.perf_counter() - t0
+  return seconds
+
+
+def enable_compilation_cache(path: str, min_compile_seconds: float = 0.0) -> None:
+  """JAX's persistent compilation cache: compiled programs are stored under `path` and reused
+  by later processes with the same shapes, budgets and versions."""
+  os.makedirs(path, exist_ok=True)
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_seconds)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+def generate(target: Target, prompts: Sequence[Sequence[int]], *, method: str = "ar",
+             max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
+             stop_token_ids=None, drafter: Drafter | None = None, budget: int | None = None,
+             topk_cap: int | None = None, cache_capacity: int | None = None,
+             attention: str | None = None, top_k: int | None = None,
+             top_p: float | None = None) -> GenerateResult:
+  """Generates up to `max_new_tokens` per prompt with AR, chain (DFlash) or DDTree decoding.
+
+  temperature > 0 samples from the target's distribution (optionally top_k / top_p filtered);
+  chain and ddtree then draw one target sample per tree node and walk the tree with them, so
+  every committed token is a genuine target sample (lossless). Same seed, same output.
+  The cache holds `cache_capacity` rows per sequence (default: the longest prompt plus
+  max_new_tokens, rounded up to 128); requests that do not fit are refused, never clamped.
+  """
+  args, capacity, statics = _prepare(
+      target, prompts, method=method, max_new_tokens=max_new_tokens, temperature=temperature,
+      seed=seed, stop_token_ids=stop_token_ids, drafter=drafter, budget=budget,
+      topk_cap=topk_cap, cache_capacity=cache_capacity, attention=attention, top_k=top_k,
+      top_p=top_p)
+  lc, dparams = statics["lc"], args[1]
   t0 = time.perf_counter()
   prefill, loop = _programs(args, capacity, statics)
   t1 = time.perf_counter()
@@ -156,11 +199,11 @@ def generate(target: Target, prompts: Sequence[Sequence[int]], *, method: str = 
           "acceptance_lengths": per_seq,
           "tokens_per_second": new_in_loop / (t3 - t2) if new_in_loop else 0.0,
           "compile_seconds": t1 - t0, "prefill_seconds": t2 - t1, "decode_seconds": t3 - t2,
-          "cache_capacity": capacity, "attention": attention,
+          "cache_capacity": capacity, "attention": lc.attention,
       })
 
 
-@jax.jit
+@functools.partial(jax.jit, static_argnames=("cfg",))
 def _forward_logits(params, token_ids, *, cfg):
   b, t = token_ids.shape
   cache = model.init_cache(cfg.num_layers, b, cfg.num_kv_heads, 0, cfg.head_dim, params.embed.dtype)
@@ -175,8 +218,7 @@ def forward_logits(target: Target, token_ids) -> jax.Array:
   token_ids = jnp.asarray(token_ids, jnp.int32)
   if token_ids.ndim != 2:
     raise ValueError(f"token_ids must be [B, T], got shape {token_ids.shape}")
-  return jax.jit(_forward_logits.__wrapped__, static_argnames=("cfg",))(
-      target.params, token_ids, cfg=target.config)
+  return _forward_logits(target.params, token_ids, cfg=target.config)
 
 
 def draft_logits(target: Target, drafter: Drafter, prompt: Sequence[int]) -> jax.Array:

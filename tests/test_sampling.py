@@ -59,8 +59,8 @@ def check(counts, p):
   obs, exp = counts.ravel()[common], expected[common]
   if rare.any():
     obs, exp = np.append(obs, counts.ravel()[rare].sum()), np.append(exp, expected[rare].sum())
-  chi = sps.chisquare(obs, exp)
-  return tv, chi.pvalue
+  assert len(obs) >= 2, "degenerate distribution: pick filters that keep several outcomes"
+  return tv, sps.chisquare(obs, exp).pvalue
 
 
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 1.5])
@@ -73,7 +73,7 @@ def test_sampling_matches_target_distribution(pair, method, budget, temperature)
   assert tv < 0.02 and pvalue > 1e-3, (tv, pvalue)
 
 
-@pytest.mark.parametrize("kw", [dict(top_k=3), dict(top_p=0.7), dict(top_k=4, top_p=0.8)])
+@pytest.mark.parametrize("kw", [dict(top_k=2), dict(top_p=0.9), dict(top_k=3, top_p=0.95)])
 def test_filtered_sampling_matches(pair, kw):
   target, drafter = pair
   tv, pvalue = check(empirical_joint(target, drafter, "ddtree", 16, 1.0, **kw),

@@ -1,0 +1,49 @@
+"""The decode loop is one XLA program: no host transfers or callbacks per step."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import ddtree_jax as dj
+from ddtree_jax import decode
+from conftest import FIXTURES
+from helpers import write_drafter
+
+HOST_OPS = ("infeed", "outfeed", "send(", "recv(", "callback", "host_compute")
+
+
+@pytest.mark.parametrize("method,budget", [("ar", 0), ("chain", 0), ("ddtree", 16)])
+def test_decode_loop_has_no_host_round_trips(tmp_path, method, budget):
+  target = dj.load_target(os.path.join(FIXTURES, "qwen3_gqa"), dtype="float32")
+  d = None if method == "ar" else dj.load_drafter(write_drafter(str(tmp_path), target.config),
+                                                  target)
+  lc = decode.LoopConfig(method=method, max_new_tokens=16, num_drafts=7 if d else 0, budget=budget)
+  st = dict(tcfg=target.config, dcfg=d.config if d else None, lc=lc)
+  args = (target.params, d.params if d else None, jnp.zeros((2, 16), jnp.int32),
+          jnp.array([3, 5], jnp.int32), jax.random.key(0))
+  state = jax.eval_shape(lambda *a: decode.prefill(*a, capacity=64, **st), *args)
+  hlo = decode.decode_loop.lower(args[0], args[1], state, **st).compile().as_text()
+  assert "while" in hlo
+  found = [op for op in HOST_OPS if op in hlo.lower()]
+  assert not found, found
+
+
+def test_precompile_and_persistent_cache(tmp_path):
+  """AOT precompile of a list of budgets; generate then reuses them; the persistent cache fills."""
+  from ddtree_jax import engine
+  target = dj.load_target(os.path.join(FIXTURES, "qwen3_gqa"), dtype="float32")
+  d = dj.load_drafter(write_drafter(str(tmp_path / "d"), target.config), target)
+  cache_dir = str(tmp_path / "xla_cache")
+  engine.enable_compilation_cache(cache_dir)
+  try:
+    secs = engine.precompile(target, batch=2, prompt_len=5, max_new_tokens=9, drafter=d,
+                             methods=("chain", "ddtree"), budgets=(3, 9), stop_token_ids=())
+    assert set(secs) == {"chain", "ddtree/3", "ddtree/9"}
+    res = dj.generate(target, [[1, 2, 3], [4, 5, 6, 7, 8]], method="ddtree", drafter=d, budget=9,
+                      max_new_tokens=9, stop_token_ids=())
+    assert res.stats["compile_seconds"] < 0.05
+    assert os.listdir(cache_dir)
+  finally:
+    jax.config.update("jax_compilation_cache_dir", None)
