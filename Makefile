@@ -5,7 +5,7 @@ PY312 := $(shell if python3.12 --version >/dev/null 2>&1; then command -v python
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: venv test demo clean train train-smoke eval-default
+.PHONY: venv test demo clean train train-smoke eval-default bench bench-smoke eval-coding notebook
 
 $(VENV)/.installed: pyproject.toml
 	@test -x "$(PY312)" || (echo "need Python 3.12 (python3.12 on PATH or under pyenv root)"; exit 1)
@@ -33,6 +33,26 @@ train-smoke: venv
 
 eval-default: venv
 	$(PY) experiments/eval_default.py
+
+# GPU benchmark matrix: ar/chain/ddtree x budgets x batch, Qwen3-8B shape, bf16. Checkpoints from
+# QWEN3_8B_DIR / QWEN3_8B_DFLASH_DIR, else random weights of the same shapes. Needs the CUDA
+# extra in the venv: .venv/bin/pip install -e ".[cuda13]". Example:
+#   make bench ARGS="--config.batches=1 --config.budgets=32,128 --mesh_tp=8"
+bench: venv
+	$(PY) experiments/bench_matrix.py --config=configs/bench_matrix.py $(ARGS)
+
+# Small matrix on CPU (~1 min): out/bench_smoke/{bench.csv,bench.json,*.png}
+bench-smoke: venv
+	$(PY) experiments/bench_matrix.py --config=configs/bench_smoke.py $(ARGS)
+
+# Five-problem coding check; generated code runs in the sandbox (ddtree_jax/sandbox.py)
+eval-coding: venv
+	$(PY) experiments/coding_eval.py --config=configs/default.py $(ARGS)
+
+# Executes the walkthrough notebook; the executed copy goes to out/ddtree_walkthrough.ipynb
+notebook: venv
+	mkdir -p out
+	$(VENV)/bin/jupyter-execute notebooks/ddtree_walkthrough.ipynb --output=../out/ddtree_walkthrough
 
 clean:
 	rm -rf $(VENV)

@@ -1,24 +1,98 @@
-"""Default run: the tiny model bundled with the repo (`make demo`).
+"""Default run: the small model pair bundled with the repo (`make demo`), for every script.
 
-Override from the command line, e.g. --config.max_new_tokens=64 --config.target=/path/to/Qwen3-8B.
+The pair lives in ddtree_jax/default_model/{target,drafter} (`dj.DEFAULT_MODEL_DIR`, made by
+`make train`); while it is absent the tiny test fixture tests/fixtures/hf/qwen3_gqa is used, AR only.
+Every other config file starts from this one, and scripts refuse keys this file does not define.
+
+Override from the command line, e.g. --config.max_new_tokens=64 --config.target=/path/to/Qwen3-8B,
+or with env vars DDTREE_TARGET / DDTREE_DRAFTER.
 """
 
+import importlib.util
 import os
 
 import ml_collections
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIXTURE_TARGET = os.path.join(REPO, "tests/fixtures/hf/qwen3_gqa")
+
+
+def default_model_dir():
+  """dj.DEFAULT_MODEL_DIR, found without importing the package (and jax)."""
+  spec = importlib.util.find_spec("ddtree_jax")
+  if spec is not None and spec.submodule_search_locations:
+    return os.path.join(list(spec.submodule_search_locations)[0], "default_model")
+  return os.path.join(REPO, "ddtree_jax", "default_model")
+
+
+def default_pair():
+  """(target dir, drafter dir) of the bundled pair, or (fixture target, "") while it is absent."""
+  d = default_model_dir()
+  target, drafter = os.path.join(d, "target"), os.path.join(d, "drafter")
+  if all(os.path.exists(os.path.join(p, "config.json")) for p in (target, drafter)):
+    return target, drafter
+  return FIXTURE_TARGET, ""
+
+
+def qwen3_8b_shape():
+  """Qwen3-8B architecture (used when random_target=True)."""
+  s = ml_collections.ConfigDict()
+  s.model_type = "qwen3"
+  s.vocab_size = 151936
+  s.hidden_size = 4096
+  s.intermediate_size = 12288
+  s.num_layers = 36
+  s.num_heads = 32
+  s.num_kv_heads = 8
+  s.head_dim = 128
+  s.rope_theta = 1000000.0
+  s.rms_norm_eps = 1e-6
+  s.tie_word_embeddings = False
+  return s
 
 
 def get_config():
   c = ml_collections.ConfigDict()
-  c.target = os.environ.get("DDTREE_TARGET", os.path.join(REPO, "tests/fixtures/hf/qwen3_gqa"))
-  c.drafter = os.environ.get("DDTREE_DRAFTER", "")   # empty: AR only
-  c.dtype = "float32"
-  c.methods = "ar"                                   # comma list of ar, chain, ddtree
-  c.budgets = "8,32"                                 # ddtree budgets
+  target, drafter = default_pair()
+  c.target = os.environ.get("DDTREE_TARGET", target)
+  c.drafter = os.environ.get("DDTREE_DRAFTER", drafter if "DDTREE_TARGET" not in os.environ else "")
+  c.dtype = "float32"                                # float32 | bfloat16 | float16
+  c.methods = "ar,chain,ddtree" if c.drafter else "ar"  # comma list of ar, chain, ddtree
+  c.budgets = "8,32"                                 # ddtree budgets, each in [1, 1024]
   c.prompts = ("def is_palindrome(s):", "def fib(n):", "import os\n")
   c.max_new_tokens = 32
   c.temperature = 0.0
   c.attention = ""                                   # "" = pallas on GPU, xla on CPU
+  c.seed = 0
+  c.topk_cap = 0                                     # ddtree tokens kept per depth (0 = budget)
+  c.ignore_eos = False                               # True: never stop early (benchmarks)
+  c.out_dir = "out/default"                          # CSV / JSON / PNG outputs of the scripts
+
+  # Benchmark matrix (experiments/bench_matrix.py): methods x budgets x batches.
+  c.batches = "1"                                    # concurrency: prompts per generate call
+  c.repeats = 3                                      # timed runs per cell (median), after warm-up
+  c.baselines = True                                 # always run ar (and chain with a drafter)
+  c.prompt_len = 0                                   # > 0: random prompts of this many tokens
+  c.profile = "all"                                  # per-stage times: "", "all" or methods list
+  c.profile_repeats = 5
+  c.near_tie_eps = 0.1                               # top-1 minus top-2 logit gap of a near-tie
+  c.progress = True                                  # tqdm progress bars
+
+  # Random weights instead of checkpoints (step timing without downloads; acceptance ~1).
+  c.random_target = False                            # build the target from `shape`
+  c.shape = qwen3_8b_shape()
+  c.random_drafter = False                           # a random DFlash drafter for the target
+  c.drafter_shape = ml_collections.ConfigDict()
+  c.drafter_shape.num_layers = 5
+  c.drafter_shape.block_size = 16
+  c.drafter_shape.target_layer_ids = ""              # "" = the DFlash default rule
+  c.drafter_shape.mask_token_id = -1                 # -1 = vocab_size - 1
+  c.drafter_shape.init_std = 0.02                    # larger: peakier drafts, deeper trees
+
+  # Coding check (experiments/coding_eval.py): generated code runs in a sandboxed subprocess.
+  c.coding = ml_collections.ConfigDict()
+  c.coding.problems = "is_palindrome,fib,merge_sorted,word_count,gcd"
+  c.coding.max_new_tokens = 128
+  c.coding.timeout_s = 5.0                           # wall clock (and CPU) per problem
+  c.coding.memory_mb = 512                           # RLIMIT_AS of the sandboxed process
   return c

@@ -8,37 +8,25 @@ The last line printed is one JSON object: {"results": [{method, budget, tau, tok
 
 import json
 
-from absl import app
-from ml_collections import config_flags
+import workflow  # experiments/workflow.py: config validation, models (puts the repo on sys.path)
 
-import ddtree_jax as dj
-from ddtree_jax import sharding
+import ddtree_jax as dj  # pylint: disable=wrong-import-order
+from ddtree_jax import sharding  # pylint: disable=wrong-import-order
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "run configuration")
+_CONFIG = workflow.define_config("configs/default.py")
 sharding.define_mesh_flags()  # --mesh_dp --mesh_tp, multi-host --coordinator_address etc.
-
-
-def _runs(cfg):
-  for method in [m.strip() for m in cfg.methods.split(",") if m.strip()]:
-    if method == "ddtree":
-      for b in [int(x) for x in str(cfg.budgets).split(",") if x.strip()]:
-        yield method, b
-    else:
-      yield method, None
 
 
 def main(_):
   cfg = _CONFIG.value
+  plan = workflow.validate(cfg, baselines=False)  # methods, budgets, ... with the valid values
   mesh = sharding.mesh_from_flags()
-  target = dj.load_target(cfg.target, dtype=cfg.dtype, mesh=mesh)
-  drafter = dj.load_drafter(cfg.drafter, target) if cfg.drafter else None
+  target, drafter = workflow.load_models(cfg, mesh)
   tok = target.tokenizer
-  encode = (lambda s: tok.encode(s).ids) if tok else (lambda s: [ord(c) % target.config.vocab_size for c in s])
-  prompts = [encode(p) for p in cfg.prompts]
+  prompts = [workflow.encoder(target)(p) for p in cfg.prompts]
   results, reference = [], None
-  for method, budget in _runs(cfg):
-    kw = dict(method=method, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-              drafter=drafter, budget=budget, attention=cfg.attention or None)
+  for method, budget in plan.runs:
+    kw = workflow.generate_kwargs(cfg, method, budget, drafter)
     dj.generate(target, prompts, **kw)  # warm-up: compile outside the timed run
     res = dj.generate(target, prompts, **kw)
     name = method if budget is None else f"{method}/B={budget}"
@@ -61,4 +49,4 @@ def main(_):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  workflow.run_app(main)

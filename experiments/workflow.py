@@ -1,0 +1,452 @@
+"""Shared plumbing of the config-driven scripts (generate, bench_matrix, coding_eval, draw_tree) and
+the notebook: load and validate a config, build the models it names, make prompts, one step.
+
+Validation gives one clear message naming the valid values (unknown keys, methods, budgets, ...):
+
+  python experiments/bench_matrix.py --config=configs/bench_smoke.py --config.budget=8
+  -> unknown config key 'budget'. Did you mean 'budgets'? Valid keys: attention, baselines, ...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib.util
+import os
+import sys
+from typing import Any, Sequence
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+  sys.path.insert(0, REPO)
+
+import ml_collections  # noqa: E402
+
+METHODS = ("ar", "chain", "ddtree")
+MIN_BUDGET, MAX_BUDGET = 1, 1024
+DTYPES = ("float32", "bfloat16", "float16")
+ATTENTIONS = ("", "xla", "pallas")
+DEFAULT_CONFIG = os.path.join(REPO, "configs", "default.py")
+
+
+class ConfigError(ValueError):
+  """A bad config value or key; the message lists the valid values."""
+
+
+# ------------------------------------------------------------------------------------------------
+# Loading configs and checking keys
+
+
+def load_config(spec: str = DEFAULT_CONFIG, overrides: Sequence[str] | dict = ()):
+  """Loads `path.py[:arg]` (relative to the repo or the cwd) like --config does, then applies
+  overrides ("key.sub=value" strings or a {dotted key: value} dict), checking every key."""
+  path, _, arg = spec.partition(":")
+  if not os.path.exists(path) and os.path.exists(os.path.join(REPO, path)):
+    path = os.path.join(REPO, path)
+  if not os.path.exists(path):
+    raise ConfigError(f"config file {path!r} does not exist; the configs are in "
+                      f"{os.path.join(REPO, 'configs')}: {', '.join(_config_files())}")
+  mod_spec = importlib.util.spec_from_file_location(
+      "ddtree_config_" + os.path.basename(path)[:-3], path)
+  module = importlib.util.module_from_spec(mod_spec)
+  mod_spec.loader.exec_module(module)
+  try:
+    cfg = module.get_config(arg) if arg else module.get_config()
+  except (TypeError, ValueError) as e:
+    raise ConfigError(f"config {spec!r}: {e}") from None
+  items = overrides.items() if isinstance(overrides, dict) else (
+      o.split("=", 1) for o in overrides)
+  for key, value in items:
+    check_key(cfg, key, where=spec)
+    _set(cfg, key, value)
+  return cfg
+
+
+def _config_files():
+  d = os.path.join(REPO, "configs")
+  return sorted(f for f in os.listdir(d) if f.endswith(".py")) if os.path.isdir(d) else []
+
+
+def leaf_keys(cfg, prefix: str = "") -> list[str]:
+  """Every dotted key of a (nested) ConfigDict."""
+  out = []
+  for k, v in cfg.items():
+    if isinstance(v, ml_collections.ConfigDict):
+      out += leaf_keys(v, f"{prefix}{k}.")
+    else:
+      out.append(prefix + k)
+  return out
+
+
+def check_key(cfg, dotted: str, where: str = "the config") -> None:
+  """Raises ConfigError unless `dotted` names a field of cfg (nested dicts included)."""
+  node = cfg
+  for part in dotted.split("."):
+    if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+      valid = leaf_keys(cfg)
+      close = difflib.get_close_matches(dotted, valid, n=1)
+      hint = f" Did you mean {close[0]!r}?" if close else ""
+      raise ConfigError(f"unknown config key {dotted!r} in {where}.{hint} Valid keys: "
+                        f"{', '.join(valid)}")
+    node = node[part]
+
+
+def _set(cfg, dotted: str, value: Any) -> None:
+  *parents, last = dotted.split(".")
+  node = cfg
+  for p in parents:
+    node = node[p]
+  old = node[last]
+  if isinstance(value, str) and not isinstance(old, str):
+    if isinstance(old, bool):
+      if value.lower() not in ("true", "false", "1", "0"):
+        raise ConfigError(f"config key {dotted!r} is a bool; got {value!r} (use True or False)")
+      value = value.lower() in ("true", "1")
+    elif isinstance(old, (int, float)):
+      try:
+        value = type(old)(value)
+      except ValueError:
+        raise ConfigError(f"config key {dotted!r} is a {type(old).__name__}; got {value!r}") from None
+    elif isinstance(old, tuple):
+      value = tuple(v for v in value.split(",") if v)
+  node[last] = value
+
+
+def check_argv(argv: Sequence[str], flag: str = "config", default: str = DEFAULT_CONFIG) -> None:
+  """Checks the --config.KEY=... overrides of a command line before absl parses them, so that a
+  typo gives one clear line (valid keys listed) instead of a traceback."""
+  spec, keys = default, []
+  args = list(argv[1:])
+  for i, a in enumerate(args):
+    if a.startswith(f"--{flag}="):
+      spec = a.split("=", 1)[1]
+    elif a == f"--{flag}" and i + 1 < len(args):
+      spec = args[i + 1]
+    elif a.startswith(f"--{flag}."):
+      keys.append(a[len(flag) + 3:].split("=", 1)[0])
+  cfg = load_config(spec)  # a missing file or a bad ":arg" fails here, with a clear message
+  for k in keys:
+    check_key(cfg, k, where=spec)
+
+
+def define_config(default: str = "configs/default.py", flag: str = "config"):
+  """config_flags.DEFINE_config_file, after checking the command line's --config.KEY overrides
+  (ml_collections applies them while defining the flag, with a traceback on a typo)."""
+  from ml_collections import config_flags  # pylint: disable=import-outside-toplevel
+  try:
+    check_argv(sys.argv, flag, default)
+  except ConfigError as e:
+    sys.exit(f"error: {e}")
+  return config_flags.DEFINE_config_file(flag, default, "run configuration (a configs/*.py file)")
+
+
+def run_app(main) -> None:
+  """absl.app.run(main); ConfigErrors raised by main exit with their message only."""
+  from absl import app  # pylint: disable=import-outside-toplevel
+
+  def wrapped(argv):
+    try:
+      return main(argv)
+    except ConfigError as e:
+      sys.exit(f"error: {e}")
+  app.run(wrapped)
+
+
+# ------------------------------------------------------------------------------------------------
+# Validation of values
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """The parsed, validated sweep of a config."""
+  methods: tuple[str, ...]
+  budgets: tuple[int, ...]
+  batches: tuple[int, ...]
+  runs: tuple[tuple[str, int | None], ...]   # (method, budget or None) in run order
+  profile: tuple[str, ...]                    # methods whose stages are timed
+
+  @staticmethod
+  def name(method: str, budget: int | None) -> str:
+    return method if budget is None else f"{method}/B={budget}"
+
+
+def _ints(value, what: str, lo: int, hi: int | None, valid: str) -> tuple[int, ...]:
+  parts = [p.strip() for p in str(value).split(",") if p.strip()]
+  out = []
+  for p in parts:
+    try:
+      x = int(p)
+    except ValueError:
+      raise ConfigError(f"{what} {p!r} is not an integer; valid {what}s: {valid}") from None
+    if x < lo or (hi is not None and x > hi):
+      raise ConfigError(f"{what} {x} is out of range; valid {what}s: {valid}")
+    out.append(x)
+  return tuple(out)
+
+
+def parse_methods(value) -> tuple[str, ...]:
+  methods = tuple(m.strip() for m in str(value).split(",") if m.strip())
+  bad = [m for m in methods if m not in METHODS]
+  if bad or not methods:
+    raise ConfigError(f"unknown method(s) {bad or value!r}; valid methods: {', '.join(METHODS)} "
+                      "(comma list, e.g. --config.methods=ar,chain,ddtree)")
+  return methods
+
+
+def parse_budgets(value) -> tuple[int, ...]:
+  return _ints(value, "budget", MIN_BUDGET, MAX_BUDGET,
+               f"integers in [{MIN_BUDGET}, {MAX_BUDGET}] (comma list, e.g. --config.budgets=8,32)")
+
+
+def validate(cfg, *, needs_drafter_for_spec: bool = True, baselines: bool | None = None) -> Plan:
+  """Checks every value a script uses; returns the Plan. Raises ConfigError with valid values."""
+  ref = load_config(DEFAULT_CONFIG)
+  extra = sorted(set(leaf_keys(cfg)) - set(leaf_keys(ref)))
+  if extra:
+    raise ConfigError(f"unknown config key(s) {extra}; valid keys: {', '.join(leaf_keys(ref))}")
+  methods = parse_methods(cfg.methods)
+  budgets = parse_budgets(cfg.budgets) if "ddtree" in methods else ()
+  if "ddtree" in methods and not budgets:
+    raise ConfigError(f"method ddtree needs budgets: integers in [{MIN_BUDGET}, {MAX_BUDGET}]")
+  batches = _ints(cfg.batches, "batch", 1, None, "integers >= 1 (comma list, e.g. 1,4,8)")
+  if not batches:
+    raise ConfigError("batches is empty; valid batches: integers >= 1 (comma list)")
+  if cfg.dtype not in DTYPES:
+    raise ConfigError(f"unknown dtype {cfg.dtype!r}; valid dtypes: {', '.join(DTYPES)}")
+  if cfg.attention not in ATTENTIONS:
+    raise ConfigError(f"unknown attention {cfg.attention!r}; valid: '' (engine default), xla, "
+                      "pallas")
+  for key, lo in (("max_new_tokens", 1), ("repeats", 1), ("profile_repeats", 1),
+                  ("prompt_len", 0), ("topk_cap", 0), ("coding.max_new_tokens", 1),
+                  ("coding.memory_mb", 16)):
+    v = cfg
+    for p in key.split("."):
+      v = v[p]
+    if not isinstance(v, int) or v < lo:
+      raise ConfigError(f"{key} must be an integer >= {lo}, got {v!r}")
+  if cfg.temperature < 0:
+    raise ConfigError(f"temperature must be >= 0, got {cfg.temperature}")
+  if cfg.near_tie_eps < 0:
+    raise ConfigError(f"near_tie_eps must be >= 0, got {cfg.near_tie_eps}")
+  if cfg.coding.timeout_s <= 0:
+    raise ConfigError(f"coding.timeout_s must be > 0, got {cfg.coding.timeout_s}")
+  if not cfg.random_target and not os.path.exists(os.path.join(cfg.target, "config.json")):
+    raise ConfigError(f"target {cfg.target!r} has no config.json: set --config.target=DIR (a "
+                      "Hugging Face Qwen3/Llama folder; or the env var the config names) or "
+                      "--config.random_target=True (random weights of config.shape)")
+  if cfg.drafter and cfg.random_drafter:
+    raise ConfigError(f"both drafter={cfg.drafter!r} and random_drafter=True are set; choose one")
+  if cfg.drafter and not os.path.exists(os.path.join(cfg.drafter, "config.json")):
+    raise ConfigError(f"drafter {cfg.drafter!r} has no config.json (a z-lab DFlash folder)")
+  has_drafter = bool(cfg.drafter) or cfg.random_drafter
+  spec = [m for m in methods if m != "ar"]
+  if spec and not has_drafter and needs_drafter_for_spec:
+    raise ConfigError(f"methods {spec} need a drafter: set --config.drafter=DIR or "
+                      "--config.random_drafter=True, or use --config.methods=ar")
+  if cfg.shape.model_type not in ("qwen3", "llama"):
+    raise ConfigError(f"shape.model_type {cfg.shape.model_type!r}; valid: qwen3, llama")
+  baselines = cfg.baselines if baselines is None else baselines
+  order = list(methods)
+  if baselines:
+    order = ["ar"] + (["chain"] if has_drafter else []) + order
+  runs = []
+  for m in METHODS:  # ar, chain, ddtree: the baselines first
+    if m in order:
+      runs += [(m, b) for b in budgets] if m == "ddtree" else [(m, None)]
+  profile = str(cfg.profile).strip()
+  if profile in ("", "none"):
+    prof = ()
+  elif profile == "all":
+    prof = METHODS
+  else:
+    prof = parse_methods(profile)
+  return Plan(methods=methods, budgets=budgets, batches=batches, runs=tuple(runs), profile=prof)
+
+
+# ------------------------------------------------------------------------------------------------
+# Models
+
+
+def model_config_from_shape(shape):
+  from ddtree_jax.config import ModelConfig  # pylint: disable=import-outside-toplevel
+  return ModelConfig(
+      model_type=shape.model_type, vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
+      intermediate_size=shape.intermediate_size, num_layers=shape.num_layers,
+      num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
+      rope_theta=shape.rope_theta, rms_norm_eps=shape.rms_norm_eps,
+      qk_norm=shape.model_type == "qwen3", tie_word_embeddings=shape.tie_word_embeddings,
+      max_position_embeddings=1 << 20)
+
+
+SMALL_PARAMS = 1 << 26  # below this many parameters random weights are drawn on the host
+
+
+def random_like(abstract, seed: int, std: float = 0.02):
+  """Random weights for a params pytree of ShapeDtypeStructs: 1-D leaves (norms) are ones,
+  the others N(0, std^2). Small trees are drawn with numpy (no compile), large ones by one jitted
+  program on the device."""
+  import functools  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  leaves, treedef = jax.tree.flatten(abstract)
+  if sum(int(np.prod(l.shape)) for l in leaves) <= SMALL_PARAMS:
+    rng = np.random.default_rng(seed)
+    vals = [np.ones(l.shape, np.float32) if len(l.shape) == 1
+            else std * rng.standard_normal(l.shape, dtype=np.float32) for l in leaves]
+    return jax.tree.unflatten(treedef, [jnp.asarray(v, l.dtype) for v, l in zip(vals, leaves)])
+
+  @functools.partial(jax.jit)
+  def init(key):
+    keys = jax.random.split(key, len(leaves))
+    return jax.tree.unflatten(treedef, [
+        jnp.ones(l.shape, l.dtype) if len(l.shape) == 1
+        else (std * jax.random.normal(k, l.shape, jnp.float32)).astype(l.dtype)
+        for k, l in zip(keys, leaves)])
+  return init(jax.random.key(seed, impl="unsafe_rbg"))
+
+
+def random_target(shape, dtype="bfloat16", seed: int = 0, mesh=None):
+  """A Target of random weights with the architecture `shape` (no tokenizer, no eos)."""
+  import functools  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  from ddtree_jax import checkpoint, model, sharding  # pylint: disable=import-outside-toplevel
+  cfg = model_config_from_shape(shape)
+  abstract = jax.eval_shape(functools.partial(model.init_params, cfg,
+                                              dtype=checkpoint.parse_dtype(dtype)),
+                            jax.random.key(0))
+  params = random_like(abstract, seed)
+  rules = sharding.DEFAULT_RULES if mesh is not None else None
+  params = sharding.shard_params(params, mesh, rules)
+  return checkpoint.Target(params=params, config=cfg, tokenizer=None,
+                           path=f"random:{shape.model_type}", mesh=mesh, rules=rules)
+
+
+def random_drafter(target, shape, seed: int = 1, std: float = 0.02):
+  """A random DFlash drafter (Qwen3-style layers, the target's width) for `target`."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from ddtree_jax import checkpoint, model, sharding  # pylint: disable=import-outside-toplevel
+  from ddtree_jax import drafter as drafter_lib  # pylint: disable=import-outside-toplevel
+  tcfg = target.config
+  lcfg = dataclasses.replace(tcfg, num_layers=shape.num_layers, model_type="qwen3", qk_norm=True)
+  ids = tuple(int(x) for x in str(shape.target_layer_ids).split(",") if x.strip())
+  if not ids:
+    ids = drafter_lib.default_target_layer_ids(tcfg.num_layers, shape.num_layers)
+    if not all(0 <= i < tcfg.num_layers for i in ids):  # tiny targets: spread over all layers
+      n, top = shape.num_layers, tcfg.num_layers - 1
+      ids = tuple(sorted({round(i * top / max(n - 1, 1)) for i in range(n)}))
+  bad = [i for i in ids if not 0 <= i < tcfg.num_layers]
+  if bad:
+    raise ConfigError(f"drafter_shape.target_layer_ids {bad} out of range for a "
+                      f"{tcfg.num_layers}-layer target; valid: 0..{tcfg.num_layers - 1}")
+  mask = shape.mask_token_id if shape.mask_token_id >= 0 else tcfg.vocab_size - 1
+  if not 0 <= mask < tcfg.vocab_size:
+    raise ConfigError(f"drafter_shape.mask_token_id {mask} outside the vocab [0, "
+                      f"{tcfg.vocab_size})")
+  if shape.block_size < 2:
+    raise ConfigError(f"drafter_shape.block_size must be >= 2, got {shape.block_size}")
+  dcfg = drafter_lib.DrafterConfig(layers=lcfg, block_size=shape.block_size, mask_token_id=mask,
+                                   target_layer_ids=ids)
+  dtype = target.dtype
+  small = dataclasses.replace(lcfg, vocab_size=8, tie_word_embeddings=True)  # layers only
+  h = tcfg.hidden_size
+  abstract = jax.eval_shape(lambda k: drafter_lib.DrafterParams(
+      fc=jnp.zeros((len(ids) * h, h), dtype), hidden_norm=jnp.ones((h,), dtype),
+      layers=model.init_params(small, k, dtype).layers, final_norm=jnp.ones((h,), dtype)),
+      jax.random.key(0))
+  params = random_like(abstract, seed, std)
+  params = sharding.shard_params(params, target.mesh, target.rules)
+  return checkpoint.Drafter(params=params, config=dcfg, path="random")
+
+
+def load_models(cfg, mesh=None):
+  """(target, drafter or None) as the config names them (checkpoints or random weights)."""
+  import ddtree_jax as dj  # pylint: disable=import-outside-toplevel
+  if cfg.random_target:
+    target = random_target(cfg.shape, cfg.dtype, cfg.seed, mesh)
+  else:
+    target = dj.load_target(cfg.target, dtype=cfg.dtype, mesh=mesh)
+  drafter = None
+  if cfg.drafter:
+    drafter = dj.load_drafter(cfg.drafter, target)
+  elif cfg.random_drafter:
+    drafter = random_drafter(target, cfg.drafter_shape, cfg.seed + 1, cfg.drafter_shape.init_std)
+  return target, drafter
+
+
+# ------------------------------------------------------------------------------------------------
+# Prompts
+
+
+def encoder(target):
+  """text -> token ids with the target's tokenizer (a byte fallback without one)."""
+  tok = target.tokenizer
+  if tok is not None:
+    return lambda s: tok.encode(s).ids
+  v = target.config.vocab_size
+  return lambda s: [b % v for b in s.encode()] or [0]
+
+
+def decoder(target):
+  tok = target.tokenizer
+  return (lambda ids: tok.decode(list(ids))) if tok is not None else (lambda ids: str(list(ids)))
+
+
+def make_prompts(cfg, target, batch: int) -> list[list[int]]:
+  """`batch` prompts: cfg.prompts cycled (encoded), or random tokens when cfg.prompt_len > 0 or
+  the target has no tokenizer (random targets; 64 tokens unless prompt_len says otherwise)."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  if cfg.prompt_len > 0 or target.tokenizer is None:
+    n = cfg.prompt_len or 64
+    rng = np.random.default_rng(cfg.seed)
+    v = target.config.vocab_size
+    return [rng.integers(0, v, n).tolist() for _ in range(batch)]
+  enc = encoder(target)
+  texts = list(cfg.prompts)
+  if not texts:
+    raise ConfigError("prompts is empty; give at least one prompt (or prompt_len > 0)")
+  return [enc(texts[i % len(texts)]) for i in range(batch)]
+
+
+def generate_kwargs(cfg, method: str, budget: int | None, drafter) -> dict:
+  """Keyword arguments of dj.generate for one run of the config."""
+  return dict(method=method, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+              seed=cfg.seed, drafter=drafter if method != "ar" else None, budget=budget,
+              topk_cap=(cfg.topk_cap or None) if method == "ddtree" else None,
+              attention=cfg.attention or None, stop_token_ids=() if cfg.ignore_eos else None)
+
+
+# ------------------------------------------------------------------------------------------------
+# One speculative step, laid open (draw_tree, the notebook)
+
+
+def one_step(target, drafter, prompt: Sequence[int], budget: int | None, method: str = "ddtree",
+             attention: str = "xla", topk_cap: int | None = None) -> dict:
+  """Prefill `prompt`, then draft -> tree -> verify -> accept once (greedy), via the engine's own
+  stage functions. Returns numpy arrays: draft_logits [L, V], the tree (unbatched), post (the
+  target's argmax per node), path (accepted node ids, root first), tau, emitted tokens, bonus."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from ddtree_jax import decode, verify  # pylint: disable=import-outside-toplevel
+  dcfg = drafter.config
+  lc = decode.LoopConfig(method=method, max_new_tokens=dcfg.num_drafts + 2,
+                         num_drafts=dcfg.num_drafts, budget=int(budget or 0), topk_cap=topk_cap,
+                         attention=attention)
+  capacity = len(prompt) + dcfg.num_drafts + 2
+  state = decode.prefill(target.params, drafter.params, jnp.asarray([list(prompt)], jnp.int32),
+                         jnp.asarray([len(prompt)], jnp.int32), jax.random.key(0),
+                         tcfg=target.config, dcfg=dcfg, lc=lc, capacity=capacity)
+  logits = jax.jit(lambda dp, tp, st: dcfg.draft(dp, tp, st.draft_cache, st.bonus, lc.attn_fn))(
+      drafter.params, target.params, state)
+  tree = jax.jit(lambda lg, b: decode.make_tree(lc, lg, b))(logits, state.bonus)
+  post, *_ = jax.jit(lambda tp, st, tr: decode.verify_and_pick(
+      tp, target.config, dcfg, lc, st, tr, jax.random.key(0)))(target.params, state, tree)
+  path, tau, emitted = verify.accept(tree.tokens, tree.parents, tree.depths, tree.visibility,
+                                     post, dcfg.num_drafts)
+  tau = int(tau[0])
+  one = jax.tree.map(lambda x: np.asarray(x[0]), tree)
+  return dict(draft_logits=np.asarray(logits[0]), tree=one, post=np.asarray(post[0]),
+              path=np.asarray(path[0, :tau]), tau=tau, emitted=np.asarray(emitted[0, :tau]),
+              bonus=int(state.bonus[0]))
