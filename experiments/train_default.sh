@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The bundled default pair, end to end (`make train`): tokenizer -> target -> regenerate ->
+# drafter -> install. Environment: PY (python, default python3), PRESET ("" = GPU settings,
+# ":smoke" = tiny CPU run), WORKDIR (default out/train_default), INSTALL (default
+# ddtree_jax/default_model). Every step resumes or skips what its workdir already holds.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-python3}
+PRESET=${PRESET:-}
+WORKDIR=${WORKDIR:-out/train_default}
+INSTALL=${INSTALL:-ddtree_jax/default_model}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+t0=$(date +%s)
+stamp() { echo "=== $1 ($(( $(date +%s) - t0 )) s)"; }
+stamp tokenizer
+"$PY" experiments/train_tokenizer.py --config="configs/train_target.py$PRESET" --config.workdir="$WORKDIR"
+stamp target
+"$PY" experiments/train_target.py --config="configs/train_target.py$PRESET" --config.workdir="$WORKDIR"
+stamp regenerate
+"$PY" experiments/train_drafter.py --config="configs/train_drafter.py$PRESET" --config.workdir="$WORKDIR" --config.stage=regenerate
+stamp drafter
+"$PY" experiments/train_drafter.py --config="configs/train_drafter.py$PRESET" --config.workdir="$WORKDIR" --config.stage=train
+stamp install
+"$PY" experiments/install_default.py --workdir="$WORKDIR" --out="$INSTALL"
+stamp done
