@@ -60,7 +60,7 @@ def get_config():
   c.methods = "ar,chain,ddtree" if c.drafter else "ar"  # comma list of ar, chain, ddtree
   c.budgets = "8,32"                                 # ddtree budgets, each in [1, 1024]
   c.prompts = ("def is_palindrome(s):", "def fib(n):", "import os\n")
-  c.max_new_tokens = 32
+  c.max_new_tokens = 96
   c.temperature = 0.0
   c.attention = ""                                   # "" = pallas on GPU, xla on CPU
   c.seed = 0
