@@ -2,6 +2,7 @@
 
   python experiments/bench_matrix.py --config=configs/bench_matrix.py              # Qwen3-8B
   python experiments/bench_matrix.py --config=configs/bench_matrix.py:llama3_8b
+  python experiments/bench_matrix.py --config=configs/bench_matrix.py:default      # bundled pair
 Checkpoints come from QWEN3_8B_DIR / QWEN3_8B_DFLASH_DIR (LLAMA3_8B_* for llama3_8b) or
 --config.target / --config.drafter. Without them the target and/or drafter are random weights of
 the same shapes (random_target / random_drafter, recorded in the JSON): the step timings are
@@ -11,7 +12,7 @@ real, acceptance is ~1 and prompts are `prompt_len` random tokens.
 import importlib.util
 import os
 
-MODELS = ("qwen3_8b", "llama3_8b")
+MODELS = ("qwen3_8b", "llama3_8b", "default")
 
 
 def _sibling(name):
@@ -29,9 +30,9 @@ def get_config(model="qwen3_8b"):
   c.random_target = not c.target
   c.random_drafter = not c.drafter
   c.methods = "ar,chain,ddtree"
-  c.budgets = "8,16,32,64,128,256,512"
-  c.batches = "1,4,8"
-  c.max_new_tokens = 256
+  c.budgets = "1,4,8,16,32,64,128"
+  c.batches = "1,4,16"
+  c.max_new_tokens = 128 if model == "default" else 256
   c.ignore_eos = True                                # every method emits max_new_tokens
   c.prompt_len = 512 if c.random_target else 0       # random targets have no tokenizer
   c.repeats = 3

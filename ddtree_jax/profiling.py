@@ -23,10 +23,11 @@ def median_seconds(fn, *args, repeats: int = 10) -> float:
   return float(np.median(times))
 
 
-def stage_seconds(tparams, tcfg, dparams, dcfg, lc: decode.LoopConfig, state, repeats: int = 10):
-  """Median seconds of draft, tree, verify, accept+commit, each compiled on its own.
+def compile_stages(tparams, tcfg, dparams, dcfg, lc: decode.LoopConfig, state) -> dict:
+  """AOT-compiles draft, tree, verify and accept+commit as separate programs for these shapes.
 
-  `state` is consumed (accept+commit donates it, as in the loop). Returns a dict of floats.
+  `state` may be concrete or ShapeDtypeStructs (with shardings when on a mesh). Thread-safe enough
+  to run for several configurations at once (benchmarks compile in a thread pool).
   """
   key = jax.random.key(0)
   draft = jax.jit(lambda dp, tp, st: dcfg.draft(dp, tp, st.draft_cache, st.bonus, lc.attn_fn))
@@ -37,16 +38,37 @@ def stage_seconds(tparams, tcfg, dparams, dcfg, lc: decode.LoopConfig, state, re
   out = {}
   logits = None
   if lc.method != "ar":
-    out["draft"] = median_seconds(draft, dparams, tparams, state, repeats=repeats)
-    logits = draft(dparams, tparams, state)
-  out["tree"] = median_seconds(tree, logits, state.bonus, repeats=repeats)
-  tr = tree(logits, state.bonus)
-  out["verify"] = median_seconds(verify, tparams, state, tr, repeats=repeats)
-  rest = (tr,) + tuple(verify(tparams, state, tr))
+    out["draft"] = draft.lower(dparams, tparams, state).compile()
+    logits = jax.eval_shape(draft, dparams, tparams, state)
+  out["tree"] = tree.lower(logits, state.bonus).compile()
+  tr = jax.eval_shape(tree, logits, state.bonus)
+  out["verify"] = verify.lower(tparams, state, tr).compile()
+  rest = (tr,) + tuple(jax.eval_shape(verify, tparams, state, tr))
+  out["accept_commit"] = commit.lower(dparams, state, *rest).compile()
+  return out
+
+
+def stage_seconds(tparams, tcfg, dparams, dcfg, lc: decode.LoopConfig, state, repeats: int = 10,
+                  programs: dict | None = None) -> dict:
+  """Median seconds of draft, tree, verify, accept+commit, each compiled on its own.
+
+  `programs`: the output of `compile_stages` for these shapes (compiled here when None).
+  `state` is consumed (accept+commit donates it, as in the loop). Returns a dict of floats.
+  """
+  p = programs or compile_stages(tparams, tcfg, dparams, dcfg, lc, state)
+  out = {}
+  logits = None
+  if lc.method != "ar":
+    out["draft"] = median_seconds(p["draft"], dparams, tparams, state, repeats=repeats)
+    logits = p["draft"](dparams, tparams, state)
+  out["tree"] = median_seconds(p["tree"], logits, state.bonus, repeats=repeats)
+  tr = p["tree"](logits, state.bonus)
+  out["verify"] = median_seconds(p["verify"], tparams, state, tr, repeats=repeats)
+  rest = (tr,) + tuple(p["verify"](tparams, state, tr))
   times = []
   for i in range(repeats + 1):  # the state flows through, donated each time
     t = time.perf_counter()
-    state = jax.block_until_ready(commit(dparams, state, *rest))
+    state = jax.block_until_ready(p["accept_commit"](dparams, state, *rest))
     if i:
       times.append(time.perf_counter() - t)
   out["accept_commit"] = float(np.median(times))

@@ -7,9 +7,11 @@
 Prints, in one run: copy bandwidth; AR step vs the weight+KV bandwidth floor; per-step time of
 chain and DDTree by budget with the per-stage split (draft, tree, verify, accept+commit, each its
 own program); the while_loop driver vs a Python loop over the same jitted step. Medians of repeats;
-compile time reported separately. Steps are timed inside the real decode loop (lax.while_loop).
+compile time reported separately (the programs of a group compile concurrently in threads, then
+run one at a time). Steps are timed inside the real decode loop (lax.while_loop).
 """
 
+import concurrent.futures
 import dataclasses
 import json
 import time
@@ -25,11 +27,14 @@ from ddtree_jax.drafter import DrafterConfig, DrafterParams
 
 flags.DEFINE_bool("small", False, "tiny shapes (CPU smoke run)")
 flags.DEFINE_string("sections", "copy,ar,spec,host", "comma list of sections to run")
-flags.DEFINE_string("budgets", "1,4,16,32,64,128,256", "ddtree budgets")
+flags.DEFINE_string("budgets", "chain,1,4,16,32,64,128,256",
+                    "spec runs of the full sweep: 'chain' or a ddtree budget")
 flags.DEFINE_string("batches", "1,8", "batch sizes")
 flags.DEFINE_string("prefixes", "1024,8192", "AR prefix lengths")
-flags.DEFINE_integer("spec_prefix", 1024, "prefix length for chain/ddtree rows")
-flags.DEFINE_string("attention", "xla", "comma list: xla, pallas")
+flags.DEFINE_string("spec_prefixes", "1024", "prefix lengths of chain/ddtree rows (first: full sweep)")
+flags.DEFINE_string("alt_runs", "chain,32", "spec runs for the other attentions / prefixes")
+flags.DEFINE_integer("compile_threads", 8, "programs compiled concurrently")
+flags.DEFINE_string("attention", "xla", "comma list: xla, pallas (first: full sweep)")
 flags.DEFINE_integer("steps", 32, "decode steps timed per row")
 flags.DEFINE_integer("repeats", 5, "timed repeats (median)")
 flags.DEFINE_string("json_out", "", "append each row here as a JSON line as soon as measured")
@@ -94,23 +99,45 @@ def loop_config(**kw):
   return decode.LoopConfig(mesh=MESH, **kw)
 
 
-def time_loop(tp, tcfg, dp, dcfg, lc, batch, prefix, repeats):
-  """(seconds per step, compile seconds) of the real while_loop over lc.max_new_tokens-1 steps."""
-  make = lambda: make_state(jax.random.key(1), tcfg, dcfg, lc, batch, prefix)
-  shape = jax.eval_shape(make)
-  if lc.mesh is not None:  # eval_shape drops shardings: the loop is compiled for the placed state
+def state_shape(tcfg, dcfg, lc, batch, prefix):
+  """Abstract DecodeState of a row (with the mesh's shardings, which eval_shape drops)."""
+  shape = jax.eval_shape(lambda: make_state(jax.random.key(1), tcfg, dcfg, lc, batch, prefix))
+  if lc.mesh is not None:
     shape = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shape,
                          sharding.shardings(shape, lc.mesh, lc.rules))
+  return shape
+
+
+def compile_row(tp, tcfg, dp, dcfg, lc, batch, prefix, stages):
+  """The row's decode loop (and stage programs), AOT-compiled; runs in a worker thread."""
   t0 = time.perf_counter()
+  shape = state_shape(tcfg, dcfg, lc, batch, prefix)
   loop = decode.decode_loop.lower(tp, dp, shape, tcfg=tcfg, dcfg=dcfg, lc=lc).compile()
-  compile_s = time.perf_counter() - t0
+  progs = profiling.compile_stages(tp, tcfg, dp, dcfg, lc, shape) if stages else None
+  return loop, progs, time.perf_counter() - t0
+
+
+def time_loop(loop, tp, tcfg, dp, dcfg, lc, batch, prefix, repeats):
+  """Seconds per step of the compiled while_loop over lc.max_new_tokens-1 steps (median)."""
   times = []
   for _ in range(repeats + 1):
-    st = jax.block_until_ready(make())
+    st = jax.block_until_ready(make_state(jax.random.key(1), tcfg, dcfg, lc, batch, prefix))
     t = time.perf_counter()
     out = jax.block_until_ready(loop(tp, dp, st))
     times.append((time.perf_counter() - t) / int(out.step))
-  return float(np.median(times[1:])), compile_s
+  return float(np.median(times[1:]))
+
+
+def compile_group(rows, threads):
+  """Compiles every row of a group concurrently (XLA compiles outside the GIL), then returns
+  them; timing starts only after the whole group is compiled, so it never overlaps a compile."""
+  t0 = time.perf_counter()
+  with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as ex:
+    futs = [ex.submit(compile_row, *r["compile_args"]) for r in rows]
+    out = [f.result() for f in futs]
+  print(f"compiled {len(rows)} programs in {time.perf_counter() - t0:.1f} s "
+        f"({threads} threads)", flush=True)
+  return out
 
 
 def copy_bandwidth(small):
@@ -129,6 +156,11 @@ def emit(row):
       f.write(json.dumps(row) + "\n")
 
 
+def parse_runs(text):
+  """'chain,32,64' -> [("chain", 0), ("ddtree", 32), ("ddtree", 64)]."""
+  return [("chain", 0) if x == "chain" else ("ddtree", int(x)) for x in text.split(",") if x]
+
+
 def main(_):
   small = FLAGS.small
   sections = FLAGS.sections.split(",")
@@ -140,6 +172,8 @@ def main(_):
   dp, dcfg = make_drafter(tcfg, jax.random.key(1), small)
   dp = sharding.shard_params(dp, MESH)
   batches = [int(b) for b in FLAGS.batches.split(",")]
+  attns = FLAGS.attention.split(",")
+  spec_prefixes = [int(p) for p in FLAGS.spec_prefixes.split(",")]
   print(f"devices: {jax.devices()}  target params {model.param_bytes(tp) / 1e9:.2f} GB  "
         f"drafter {model.param_bytes(dp) / 1e9:.2f} GB", flush=True)
   bw = copy_bandwidth(small)
@@ -147,41 +181,59 @@ def main(_):
   weight_bytes = model.param_bytes(tp) - tp.embed.size * tp.embed.dtype.itemsize
   kv_row = 2 * tcfg.num_layers * tcfg.num_kv_heads * tcfg.head_dim * 2  # bytes per token per seq
   steps = FLAGS.steps
-  ar_ms = {}
-  attns = FLAGS.attention.split(",")
+
+  def ar_row(attn, b, prefix):
+    lc = loop_config(method="ar", max_new_tokens=steps + 1, attention=attn)
+    return {"section": "ar", "attention": attn, "batch": b, "prefix": prefix,
+            "compile_args": (tp, tcfg, None, None, lc, b, prefix, False)}
+
+  def spec_row(attn, method, budget, b, prefix, stages):
+    lc = loop_config(method=method, max_new_tokens=steps + 1, num_drafts=15, budget=budget,
+                     attention=attn)
+    return {"section": "spec", "attention": attn, "method": method, "budget": budget,
+            "batch": b, "prefix": prefix,
+            "compile_args": (tp, tcfg, dp, dcfg, lc, b, prefix, stages)}
+
+  groups = []  # each group is compiled in parallel, then timed serially
   if "ar" in sections:
-    for attn in attns:
-      for b in batches:
-        for prefix in [int(p) for p in FLAGS.prefixes.split(",")]:
-          lc = loop_config(method="ar", max_new_tokens=steps + 1, attention=attn)
-          s, c = time_loop(tp, tcfg, None, None, lc, b, prefix, FLAGS.repeats)
-          floor = (weight_bytes + b * prefix * kv_row) / bw
-          ar_ms[(attn, b, prefix)] = s * 1e3
-          emit({"section": "ar", "attention": attn, "batch": b, "prefix": prefix,
-                "step_ms": s * 1e3, "floor_ms": floor * 1e3, "ratio_to_floor": s / floor,
-                "compile_s": c})
-  if "spec" in sections:
-    prefix = FLAGS.spec_prefix
-    runs = [("chain", 0)] + [("ddtree", int(x)) for x in FLAGS.budgets.split(",")]
-    for attn in attns:
-      for b in batches:
-        if (attn, b, prefix) not in ar_ms:
-          lc = loop_config(method="ar", max_new_tokens=steps + 1, attention=attn)
-          ar_ms[(attn, b, prefix)] = time_loop(tp, tcfg, None, None, lc, b, prefix,
-                                               FLAGS.repeats)[0] * 1e3
-        for method, budget in runs:
-          lc = loop_config(method=method, max_new_tokens=steps + 1, num_drafts=15,
-                           budget=budget, attention=attn)
-          s, c = time_loop(tp, tcfg, dp, dcfg, lc, b, prefix, FLAGS.repeats)
-          stages = {}
-          if FLAGS.stages:
-            big = dataclasses.replace(lc, max_new_tokens=10_000)
-            st = make_state(jax.random.key(2), tcfg, dcfg, big, b, prefix)
-            stages = profiling.stage_seconds(tp, tcfg, dp, dcfg, big, st, repeats=FLAGS.repeats)
-          emit({"section": "spec", "attention": attn, "method": method, "budget": budget,
-                "batch": b, "prefix": prefix, "step_ms": s * 1e3,
-                "vs_ar_step": s * 1e3 / ar_ms[(attn, b, prefix)], "compile_s": c,
-                **{f"{k}_ms": v * 1e3 for k, v in stages.items()}})
+    groups.append([ar_row(a, b, p) for a in attns for b in batches
+                   for p in [int(x) for x in FLAGS.prefixes.split(",")]])
+  if "spec" in sections:  # full sweep for the first (attention, prefix); alt_runs for the rest
+    have = {(r["attention"], r["batch"], r["prefix"]) for g in groups for r in g}
+    need = [(a, b, p) for a in attns for b in batches for p in spec_prefixes]
+    missing = [ar_row(*k) for k in need if k not in have]
+    if missing:
+      groups.append(missing)
+    for b in batches:
+      groups.append([spec_row(attns[0], m, bud, b, spec_prefixes[0], FLAGS.stages)
+                     for m, bud in parse_runs(FLAGS.budgets)])
+    alt = [spec_row(a, m, bud, b, p, FLAGS.stages and a == attns[0])
+           for a in attns for p in spec_prefixes if (a, p) != (attns[0], spec_prefixes[0])
+           for b in batches for m, bud in parse_runs(FLAGS.alt_runs)]
+    if alt:
+      groups.append(alt)
+
+  ar_ms = {}
+  for group in groups:
+    compiled = compile_group(group, FLAGS.compile_threads)
+    for row, (loop, progs, compile_s) in zip(group, compiled):
+      args = row.pop("compile_args")
+      tp_, tcfg_, dp_, dcfg_, lc, b, prefix, _ = args
+      s = time_loop(loop, tp_, tcfg_, dp_, dcfg_, lc, b, prefix, FLAGS.repeats)
+      row.update(step_ms=s * 1e3, compile_s=compile_s)
+      if row["section"] == "ar":
+        floor = (weight_bytes + b * prefix * kv_row) / bw
+        ar_ms[(row["attention"], b, prefix)] = s * 1e3
+        row.update(floor_ms=floor * 1e3, ratio_to_floor=s / floor)
+      else:
+        row["vs_ar_step"] = s * 1e3 / ar_ms[(row["attention"], b, prefix)]
+        if progs is not None:  # same shapes as the loop's state (capacity included)
+          st = make_state(jax.random.key(2), tcfg, dcfg, lc, b, prefix)
+          stages = profiling.stage_seconds(tp, tcfg, dp, dcfg, lc, st, repeats=FLAGS.repeats,
+                                           programs=progs)
+          row.update({f"{k}_ms": v * 1e3 for k, v in stages.items()})
+      emit(row)
+
   if "host" in sections:  # while_loop vs Python loop over the jitted step, small model
     scfg = qwen3_8b(True)
     sp = model.init_params(scfg, key)
@@ -190,7 +242,8 @@ def main(_):
       lc = decode.LoopConfig(method=method, max_new_tokens=129, num_drafts=15 if budget else 0,
                              budget=budget)
       d = (sdp, sdcfg) if budget else (None, None)
-      s_loop, _ = time_loop(sp, scfg, d[0], d[1], lc, 1, 64, FLAGS.repeats)
+      loop, _, _ = compile_row(sp, scfg, d[0], d[1], lc, 1, 64, False)
+      s_loop = time_loop(loop, sp, scfg, d[0], d[1], lc, 1, 64, FLAGS.repeats)
       run_py = lambda st: profiling.python_loop(sp, scfg, d[0], d[1], lc, st)
       times = []
       for _ in range(FLAGS.repeats + 1):
@@ -214,11 +267,12 @@ def print_tables():
       print(f"{r['attention']:<7}{r['batch']:>6}{r['prefix']:>8}{r['step_ms']:>10.3f}"
             f"{r['floor_ms']:>10.3f}{r['ratio_to_floor']:>8.2f}")
   print("\n== Speculative step (while_loop) and stages (separate programs), ms")
-  print(f"{'attn':<7}{'method':<8}{'B':>5}{'batch':>6}{'step':>9}{'xAR':>7}{'draft':>8}"
+  print(f"{'attn':<7}{'method':<8}{'B':>5}{'batch':>6}{'prefix':>7}{'step':>9}{'xAR':>7}{'draft':>8}"
         f"{'tree':>8}{'verify':>8}{'acc+com':>8}")
   for r in ROWS:
     if r["section"] == "spec":
-      print(f"{r['attention']:<7}{r['method']:<8}{r['budget']:>5}{r['batch']:>6}{r['step_ms']:>9.3f}"
+      print(f"{r['attention']:<7}{r['method']:<8}{r['budget']:>5}{r['batch']:>6}{r['prefix']:>7}"
+            f"{r['step_ms']:>9.3f}"
             f"{r['vs_ar_step']:>7.2f}{r.get('draft_ms', 0):>8.3f}{r.get('tree_ms', 0):>8.3f}"
             f"{r.get('verify_ms', 0):>8.3f}{r.get('accept_commit_ms', 0):>8.3f}")
   for r in ROWS:
