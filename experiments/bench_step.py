@@ -204,14 +204,15 @@ def main(_):
     missing = [ar_row(*k) for k in need if k not in have]
     if missing:
       groups.append(missing)
-    for b in batches:
-      groups.append([spec_row(attns[0], m, bud, b, spec_prefixes[0], FLAGS.stages)
-                     for m, bud in parse_runs(FLAGS.budgets)])
-    alt = [spec_row(a, m, bud, b, p, FLAGS.stages and a == attns[0])
-           for a in attns for p in spec_prefixes if (a, p) != (attns[0], spec_prefixes[0])
-           for b in batches for m, bud in parse_runs(FLAGS.alt_runs)]
-    if alt:
-      groups.append(alt)
+    for b in batches:  # per batch: the full sweep, then the other (attention, prefix) pairs
+      sweep = [spec_row(attns[0], m, bud, b, spec_prefixes[0], FLAGS.stages)
+               for m, bud in parse_runs(FLAGS.budgets)]
+      groups += [sweep[i:i + 4] for i in range(0, len(sweep), 4)]  # rows come out as they go
+      alt = [spec_row(a, m, bud, b, p, FLAGS.stages and a == attns[0])
+             for a in attns for p in spec_prefixes if (a, p) != (attns[0], spec_prefixes[0])
+             for m, bud in parse_runs(FLAGS.alt_runs)]
+      if alt:
+        groups.append(alt)
 
   ar_ms = {}
   for group in groups:
