@@ -39,6 +39,7 @@ flags.DEFINE_integer("steps", 32, "decode steps timed per row")
 flags.DEFINE_integer("repeats", 5, "timed repeats (median)")
 flags.DEFINE_string("json_out", "", "append each row here as a JSON line as soon as measured")
 flags.DEFINE_bool("stages", True, "also time the stages as separate programs")
+flags.DEFINE_string("stage_runs", "", "runs of the sweep that get stage times ('' = all)")
 sharding.define_mesh_flags()
 FLAGS = flags.FLAGS
 
@@ -205,10 +206,11 @@ def main(_):
     if missing:
       groups.append(missing)
     for b in batches:  # per batch: the full sweep, then the other (attention, prefix) pairs
-      sweep = [spec_row(attns[0], m, bud, b, spec_prefixes[0], FLAGS.stages)
+      staged = set(parse_runs(FLAGS.stage_runs or FLAGS.budgets))
+      sweep = [spec_row(attns[0], m, bud, b, spec_prefixes[0], FLAGS.stages and (m, bud) in staged)
                for m, bud in parse_runs(FLAGS.budgets)]
       groups += [sweep[i:i + 4] for i in range(0, len(sweep), 4)]  # rows come out as they go
-      alt = [spec_row(a, m, bud, b, p, FLAGS.stages and a == attns[0])
+      alt = [spec_row(a, m, bud, b, p, FLAGS.stages and a == attns[0] and (m, bud) in staged)
              for a in attns for p in spec_prefixes if (a, p) != (attns[0], spec_prefixes[0])
              for m, bud in parse_runs(FLAGS.alt_runs)]
       if alt:
