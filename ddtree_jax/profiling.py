@@ -23,12 +23,20 @@ def median_seconds(fn, *args, repeats: int = 10) -> float:
   return float(np.median(times))
 
 
-def compile_stages(tparams, tcfg, dparams, dcfg, lc: decode.LoopConfig, state) -> dict:
+def compile_stages(tparams, tcfg, dparams, dcfg, lc: decode.LoopConfig, state,
+                   seconds: dict | None = None) -> dict:
   """AOT-compiles draft, tree, verify and accept+commit as separate programs for these shapes.
 
-  `state` may be concrete or ShapeDtypeStructs (with shardings when on a mesh). Thread-safe enough
-  to run for several configurations at once (benchmarks compile in a thread pool).
+  `state` may be concrete or ShapeDtypeStructs (with shardings when on a mesh). `seconds`, when
+  given, receives each program's lower+compile time.
   """
+  seconds = {} if seconds is None else seconds
+
+  def aot(name, fn, *args):
+    t0 = time.perf_counter()
+    out[name] = fn.lower(*args).compile()
+    seconds[name] = time.perf_counter() - t0
+
   key = jax.random.key(0)
   draft = jax.jit(lambda dp, tp, st: dcfg.draft(dp, tp, st.draft_cache, st.bonus, lc.attn_fn))
   tree = jax.jit(lambda logits, bonus: decode.make_tree(lc, logits, bonus))
@@ -38,13 +46,13 @@ def compile_stages(tparams, tcfg, dparams, dcfg, lc: decode.LoopConfig, state) -
   out = {}
   logits = None
   if lc.method != "ar":
-    out["draft"] = draft.lower(dparams, tparams, state).compile()
+    aot("draft", draft, dparams, tparams, state)
     logits = jax.eval_shape(draft, dparams, tparams, state)
-  out["tree"] = tree.lower(logits, state.bonus).compile()
+  aot("tree", tree, logits, state.bonus)
   tr = jax.eval_shape(tree, logits, state.bonus)
-  out["verify"] = verify.lower(tparams, state, tr).compile()
+  aot("verify", verify, tparams, state, tr)
   rest = (tr,) + tuple(jax.eval_shape(verify, tparams, state, tr))
-  out["accept_commit"] = commit.lower(dparams, state, *rest).compile()
+  aot("accept_commit", commit, dparams, state, *rest)
   return out
 
 

@@ -26,14 +26,15 @@ from ddtree_jax.config import ModelConfig
 from ddtree_jax.drafter import DrafterConfig, DrafterParams
 
 flags.DEFINE_bool("small", False, "tiny shapes (CPU smoke run)")
-flags.DEFINE_string("sections", "copy,ar,spec,host", "comma list of sections to run")
+flags.DEFINE_string("sections", "copy,ar,spec,host",
+                    "comma list of: copy, compile (serial compile seconds per program), ar, spec, host")
 flags.DEFINE_string("budgets", "chain,1,4,16,32,64,128,256",
                     "spec runs of the full sweep: 'chain' or a ddtree budget")
 flags.DEFINE_string("batches", "1,8", "batch sizes")
 flags.DEFINE_string("prefixes", "1024,8192", "AR prefix lengths")
 flags.DEFINE_string("spec_prefixes", "1024", "prefix lengths of chain/ddtree rows (first: full sweep)")
 flags.DEFINE_string("alt_runs", "chain,32", "spec runs for the other attentions / prefixes")
-flags.DEFINE_integer("compile_threads", 8, "programs compiled concurrently")
+flags.DEFINE_integer("compile_threads", 1, "programs of a group compiled concurrently (threads)")
 flags.DEFINE_string("attention", "xla", "comma list: xla, pallas (first: full sweep)")
 flags.DEFINE_integer("steps", 32, "decode steps timed per row")
 flags.DEFINE_integer("repeats", 5, "timed repeats (median)")
@@ -216,6 +217,20 @@ def main(_):
       if alt:
         groups.append(alt)
 
+  if "compile" in sections:  # serial compile seconds of every program, nothing run
+    for m, bud in [("ar", 0)] + parse_runs(FLAGS.budgets):
+      for b in batches:
+        lc = loop_config(method=m, max_new_tokens=steps + 1, num_drafts=0 if m == "ar" else 15,
+                         budget=bud, attention=attns[0])
+        d = (None, None) if m == "ar" else (dp, dcfg)
+        shape = state_shape(tcfg, d[1], lc, b, spec_prefixes[0])
+        t0 = time.perf_counter()
+        decode.decode_loop.lower(tp, d[0], shape, tcfg=tcfg, dcfg=d[1], lc=lc).compile()
+        secs = {"loop": time.perf_counter() - t0}
+        profiling.compile_stages(tp, tcfg, d[0], d[1], lc, shape, seconds=secs)
+        emit({"section": "compile", "attention": attns[0], "method": m, "budget": bud,
+              "batch": b, "prefix": spec_prefixes[0], **{f"{k}_s": v for k, v in secs.items()}})
+
   ar_ms = {}
   for group in groups:
     compiled = compile_group(group, FLAGS.compile_threads)
@@ -278,6 +293,10 @@ def print_tables():
             f"{r['step_ms']:>9.3f}"
             f"{r['vs_ar_step']:>7.2f}{r.get('draft_ms', 0):>8.3f}{r.get('tree_ms', 0):>8.3f}"
             f"{r.get('verify_ms', 0):>8.3f}{r.get('accept_commit_ms', 0):>8.3f}")
+  for r in ROWS:
+    if r["section"] == "compile":
+      print(f"compile s: {r['attention']} {r['method']}/B={r['budget']} batch {r['batch']}: " +
+            ", ".join(f"{k[:-2]} {v:.1f}" for k, v in r.items() if k.endswith("_s")))
   for r in ROWS:
     if r["section"] == "host":
       print(f"host: {r['method']}/B={r['budget']} while_loop {r['while_loop_step_ms']:.3f} ms/step, "

@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# The H200 measurements of WORKSPACE.md, grouped by machine so each needs one lease.
+# The H200 measurements of WORKSPACE.md, one part per device call (each part fits in 10 minutes).
 #
-#   experiments/run_h200.sh single OUT   # 2 GPUs used as two single-GPU benches side by side:
-#       GPU0 bench_step (AR / chain / DDTree by budget, stages, host loop);
-#       GPU1 bench_matrix: the bundled pair (float32), its T=0 vs T=1, Qwen3-8B shape batch 1, 4
-#   experiments/run_h200.sh tp OUT       # tp=1 vs tp=2 step times; bf16 divergences at tp=2;
-#       then the Qwen3-8B-shape matrix at batch 16 on one GPU
-#   experiments/run_h200.sh xla OUT      # XLA attention: budget sweep (GPU0), 8K + host + T (GPU1),
-#       then tp=2 (tp=1 rows: GPU0's)
-#   python experiments/bench_attention.py --batches 1   (then --batches 8): the kernel grid
-# Every part runs under `timeout` and writes its rows as it goes, so a cut run keeps what it had.
+#   experiments/run_h200.sh compile OUT  # serial compile seconds of every program (loop + stages)
+#   experiments/run_h200.sh step OUT     # AR vs floor, chain / DDTree by budget with stages, host
+#   experiments/run_h200.sh kernel OUT   # the attention kernel grid (batch 1, then 8)
+#   experiments/run_h200.sh tp OUT       # tp=1 vs tp=2 (needs 2 GPUs); bf16 divergences at tp=2
+#   experiments/run_h200.sh matrix OUT   # bench_matrix: bundled pair (float32), T=0 vs 1, Qwen3-8B
+#
+# Run `compile` first: on 2026-11-29 every group of programs holding a DDTree decode loop or its
+# stage programs compiled for minutes on the H200 (AR and chain: 10-20 s), see WORKSPACE.md.
+# Every part runs under `timeout` and writes rows as it goes, so a cut run keeps what it had.
 # NCCL's NVLink multicast stays off (NCCL_NVLS_ENABLE=0), as the machine requires.
 set -u
 what=$1
@@ -18,30 +18,52 @@ mkdir -p "$out"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 py=${PYTHON:-python3}
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv >"$out/gpus.txt" 2>&1
+step="$py experiments/bench_step.py --steps=16 --repeats=3"
 
 case $what in
-  xla)  # ~330 s: XLA attention in the engine (see WORKSPACE: Pallas compile time in the engine)
-    CUDA_VISIBLE_DEVICES=0 timeout 230 $py experiments/bench_step.py --sections=copy,ar,spec \
-      --attention=xla --batches=1,8 --prefixes=1024 --spec_prefixes=1024 \
-      --budgets=chain,1,4,16,32,64,128,256 --stage_runs=chain,32,256 --steps=16 --repeats=3 \
-      --json_out="$out/step.jsonl" >"$out/step.log" 2>&1 &
-    (export CUDA_VISIBLE_DEVICES=1
-     timeout 120 $py experiments/bench_step.py --sections=copy,ar,spec,host --attention=xla \
-       --batches=1 --prefixes=8192 --spec_prefixes=8192 --budgets=chain,32 --stage_runs=chain \
-       --steps=16 --repeats=3 --json_out="$out/step8k.jsonl" >"$out/step8k.log" 2>&1
-     for t in 0.0 1.0; do
-       timeout 50 $py experiments/bench_matrix.py --config=configs/bench_matrix.py:default \
-         --config.attention=xla --config.temperature=$t --config.budgets=32 --config.batches=4 \
-         --config.max_new_tokens=96 --config.profile= --config.progress=False \
-         --config.out_dir="$out/temp_$t" >>"$out/matrix.log" 2>&1
-     done) &
-    wait
-    timeout 100 $py experiments/bench_step.py --mesh_tp=2 --sections=copy,ar,spec \
-      --attention=xla --batches=1,8 --prefixes=1024 --spec_prefixes=1024 --budgets=32 \
-      --nostages --steps=16 --repeats=3 --json_out="$out/tp.jsonl" >"$out/tp.log" 2>&1
-    tar -C "$out" -czf "$out/matrix.tgz" temp_0.0 temp_1.0 2>/dev/null
-    rm -rf "$out"/temp_*
+  compile)
+    timeout 560 $step --sections=compile --attention=pallas --batches=1 --spec_prefixes=1024 \
+      --budgets=chain,4,32,256 --json_out="$out/compile.jsonl" >"$out/compile.log" 2>&1
     ;;
-  *) echo "usage: $0 xla|single|tp OUT" >&2; exit 2 ;;
+  step)
+    timeout 560 $step --sections=copy,ar,spec,host --batches=1,8 --prefixes=1024,8192 \
+      --attention=pallas,xla --spec_prefixes=1024,8192 --budgets=chain,1,4,16,32,64,128,256 \
+      --alt_runs=chain,32 --stage_runs=chain,32,256 --json_out="$out/step.jsonl" \
+      >"$out/step.log" 2>&1
+    ;;
+  kernel)
+    timeout 280 $py experiments/bench_attention.py --batches 1 >"$out/attention.log" 2>&1
+    timeout 280 $py experiments/bench_attention.py --batches 8 >>"$out/attention.log" 2>&1
+    ;;
+  tp)
+    for tp in 1 2; do
+      timeout 200 $step --mesh_tp=$tp --sections=copy,ar,spec --batches=1,8 --prefixes=1024 \
+        --attention=pallas,xla --spec_prefixes=1024 --budgets=32 --alt_runs=32 --nostages \
+        --json_out="$out/tp.jsonl" >>"$out/tp.log" 2>&1
+    done
+    timeout 150 $py experiments/bench_matrix.py --config=configs/bench_matrix.py --mesh_tp=2 \
+      --config.methods=ar,ddtree --config.budgets=32 --config.batches=8 \
+      --config.max_new_tokens=64 --config.repeats=1 --config.profile= --config.progress=False \
+      --config.out_dir="$out/tp2_divergence" >"$out/matrix.log" 2>&1
+    tar -C "$out" -czf "$out/matrix.tgz" tp2_divergence 2>/dev/null && rm -r "$out/tp2_divergence"
+    ;;
+  matrix)
+    # the bundled pair in float32 at full matmul precision: any divergence from AR is a bug
+    JAX_DEFAULT_MATMUL_PRECISION=highest timeout 150 $py experiments/bench_matrix.py \
+      --config=configs/bench_matrix.py:default --config.profile= --config.progress=False \
+      --config.out_dir="$out/mdef" >"$out/matrix.log" 2>&1
+    for t in 0.0 1.0; do
+      JAX_DEFAULT_MATMUL_PRECISION=highest timeout 60 $py experiments/bench_matrix.py \
+        --config=configs/bench_matrix.py:default --config.temperature=$t --config.budgets=32 \
+        --config.batches=4 --config.max_new_tokens=96 --config.profile= --config.progress=False \
+        --config.out_dir="$out/temp_$t" >>"$out/matrix.log" 2>&1
+    done
+    timeout 320 $py experiments/bench_matrix.py --config=configs/bench_matrix.py \
+      --config.max_new_tokens=64 --config.repeats=2 --config.profile= --config.progress=False \
+      --config.out_dir="$out/m8b" >>"$out/matrix.log" 2>&1
+    tar -C "$out" -czf "$out/matrix.tgz" mdef temp_0.0 temp_1.0 m8b 2>/dev/null
+    rm -rf "$out"/mdef "$out"/temp_* "$out"/m8b
+    ;;
+  *) echo "usage: $0 compile|step|kernel|tp|matrix OUT" >&2; exit 2 ;;
 esac
 ls -la "$out"

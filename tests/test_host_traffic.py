@@ -47,3 +47,25 @@ def test_precompile_and_persistent_cache(tmp_path):
     assert os.listdir(cache_dir)
   finally:
     jax.config.update("jax_compilation_cache_dir", None)
+
+
+def test_stage_programs_compile_ahead_and_time(tmp_path):
+  """profiling.compile_stages AOT-compiles the four stages on abstract shapes (per-program compile
+  seconds); stage_seconds runs them on a real prefill state and does not recompile."""
+  from ddtree_jax import profiling
+  target = dj.load_target(os.path.join(FIXTURES, "qwen3_gqa"), dtype="float32")
+  d = dj.load_drafter(write_drafter(str(tmp_path), target.config), target)
+  lc = decode.LoopConfig(method="ddtree", max_new_tokens=16, num_drafts=7, budget=8)
+  st = dict(tcfg=target.config, dcfg=d.config, lc=lc)
+  args = (target.params, d.params, jnp.zeros((2, 16), jnp.int32), jnp.array([3, 5], jnp.int32),
+          jax.random.key(0))
+  shape = jax.eval_shape(lambda *a: decode.prefill(*a, capacity=64, **st), *args)
+  secs = {}
+  progs = profiling.compile_stages(target.params, target.config, d.params, d.config, lc, shape,
+                                   seconds=secs)
+  assert set(progs) == set(secs) == {"draft", "tree", "verify", "accept_commit"}
+  assert all(s > 0 for s in secs.values())
+  state = decode.prefill(*args, capacity=64, **st)
+  out = profiling.stage_seconds(target.params, target.config, d.params, d.config, lc, state,
+                                repeats=2, programs=progs)
+  assert set(out) == set(progs) and all(v > 0 for v in out.values())
