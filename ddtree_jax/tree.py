@@ -99,15 +99,27 @@ def _build_one(draft_logits, root_token, budget: int, k: int) -> DraftTree:
   parents = jnp.concatenate([jnp.full((1,), -1, jnp.int32), node_parent.astype(jnp.int32)])
   depths = jnp.concatenate([jnp.zeros((1,), jnp.int32), (node_depth + 1).astype(jnp.int32)])
   scores = jnp.concatenate([jnp.zeros((1,), jnp.float32), scores])
-  # Ancestor chain [N, L+1] by repeated parent gathers (index -1 hits the -1 sentinel).
-  par_ext = jnp.concatenate([parents, jnp.full((1,), -1, jnp.int32)])
-  chain = [jnp.arange(n, dtype=jnp.int32)]
-  for _ in range(depth):
-    chain.append(par_ext[chain[-1]])
-  chain = jnp.stack(chain, axis=1)
-  visibility = jnp.any(chain[:, :, None] == jnp.arange(n)[None, None, :], axis=1)
   return DraftTree(tokens=tokens, parents=parents, depths=depths, scores=scores,
-                   visibility=visibility)
+                   visibility=ancestor_closure(parents, depth))
+
+
+def ancestor_closure(parents, depth: int):
+  """parents [N] (-1 = none), tree depth <= `depth` -> [N, N] bool: [i, j] = j is an
+  ancestor-or-self of i.
+
+  Transitive closure by repeated squaring: ceil(log2(depth)) small matmuls (0/1 entries in bf16,
+  counts accumulated in float32: exact). Not a chain of `depth` dependent parent gathers: XLA's
+  GPU emitter fuses such a chain into one loop fusion and re-emits every gather index at each
+  use, so its compile time grows ~3^depth (minutes at depth 15, found 2026-11-29)."""
+  n = parents.shape[0]
+  idx = jnp.arange(n, dtype=jnp.int32)
+  reach = (idx[:, None] == idx[None, :]) | (parents[:, None] == idx[None, :])
+  span = 1  # reach holds every ancestor at distance <= span
+  while span < depth:
+    r = reach.astype(jnp.bfloat16)
+    reach = jnp.dot(r, r, preferred_element_type=jnp.float32) > 0.5
+    span *= 2
+  return reach
 
 
 def build_tree(draft_logits, budget: int, topk_cap: int | None = None, root_token=None) -> DraftTree:

@@ -58,13 +58,18 @@ def qwen3_8b(small):
                      head_dim=128, rope_theta=1e6, max_position_embeddings=40960)
 
 
-def make_drafter(tcfg, key, small):
-  layers = 2 if small else 5
-  lcfg = dataclasses.replace(tcfg, num_layers=layers)
+def drafter_config(tcfg, small):
+  """A 5-layer (2 when small) DFlash drafter of the target's width, block 16."""
+  lcfg = dataclasses.replace(tcfg, num_layers=2 if small else 5)
   ids = (1, 2) if small else (1, 9, 17, 25, 33)
-  cfg = DrafterConfig(layers=lcfg, block_size=16, mask_token_id=tcfg.vocab_size - 3,
-                      target_layer_ids=ids)
-  p = model.init_params(lcfg, key)
+  return DrafterConfig(layers=lcfg, block_size=16, mask_token_id=tcfg.vocab_size - 3,
+                       target_layer_ids=ids)
+
+
+def make_drafter(tcfg, key, small):
+  cfg = drafter_config(tcfg, small)
+  ids = cfg.target_layer_ids
+  p = model.init_params(cfg.layers, key)
   k1, k2 = jax.random.split(key)
   params = DrafterParams(
       fc=(0.02 * jax.random.normal(k1, (len(ids) * tcfg.hidden_size, tcfg.hidden_size))).astype(jnp.bfloat16),

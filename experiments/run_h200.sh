@@ -7,8 +7,9 @@
 #   experiments/run_h200.sh tp OUT       # tp=1 vs tp=2 (needs 2 GPUs); bf16 divergences at tp=2
 #   experiments/run_h200.sh matrix OUT   # bench_matrix: bundled pair (float32), T=0 vs 1, Qwen3-8B
 #
-# Run `compile` first: on 2026-11-29 every group of programs holding a DDTree decode loop or its
-# stage programs compiled for minutes on the H200 (AR and chain: 10-20 s), see WORKSPACE.md.
+# Run `compile` first: on 2026-11-29 every DDTree program compiled for minutes on the H200 (a
+# chain of dependent gathers in tree.py, fixed since; experiments/compile_offline.py checks compile
+# times without a GPU), see WORKSPACE.md.
 # Every part runs under `timeout` and writes rows as it goes, so a cut run keeps what it had.
 # NCCL's NVLink multicast stays off (NCCL_NVLS_ENABLE=0), as the machine requires.
 set -u

@@ -1,0 +1,60 @@
+"""Compile the Qwen3-8B-shaped decode loops for an H200 on a machine without a GPU.
+
+XLA's GPU compiler runs on the host; JAX compiles for a described device (no autotuning, so real
+compiles take longer, but a compile that blows up shows up here too: this is how the DDTree
+ancestor-chain trap was found, see WORKSPACE.md). Needs the CUDA plugin with its toolchain:
+
+  pip install 'jax-cuda13-plugin[with-cuda]==0.11.2' jax-cuda13-pjrt==0.11.2
+  JAX_PLATFORMS=cpu python experiments/compile_offline.py --runs=ar,chain,32,256 --attention=pallas
+
+Prints lower / compile seconds per decode loop (`bench_step.py`'s shapes and random-weight layout).
+"""
+
+import os
+import time
+
+from absl import app, flags
+import jax
+from jax.experimental.topologies import get_topology_desc
+
+import bench_step
+from ddtree_jax import decode, model
+
+flags.DEFINE_string("runs", "ar,chain,32,256", "ar, chain or ddtree budgets")
+flags.DEFINE_integer("batch", 1, "batch size")
+flags.DEFINE_integer("prefix", 1024, "committed prefix length")
+# --small and --attention (first entry) are bench_step's flags
+flags.DEFINE_string("target_config", os.path.join(os.path.dirname(__file__),
+                                                  "h200_target_config.txtpb"),
+                    "GpuTargetConfigProto (text) of the device to compile for")
+FLAGS = flags.FLAGS
+
+
+def main(_):
+  with open(FLAGS.target_config) as f:
+    topo = get_topology_desc("h200", "cuda", target_config=f.read(), topology="1x1x1")
+  on_gpu = jax.sharding.SingleDeviceSharding(topo.devices[0])
+  put = lambda t: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_gpu), t)
+  tcfg = bench_step.qwen3_8b(FLAGS.small)
+  tparams = jax.eval_shape(lambda: model.init_params(tcfg, jax.random.key(0)))
+  dcfg = bench_step.drafter_config(tcfg, FLAGS.small)
+  dparams = jax.eval_shape(lambda: bench_step.make_drafter(tcfg, jax.random.key(1), FLAGS.small)[0])
+  attention = FLAGS.attention.split(",")[0]
+  print(f"{'run':<12}{'attention':>10}{'batch':>6}{'lower s':>9}{'compile s':>11}", flush=True)
+  for run in FLAGS.runs.split(","):
+    method, budget = (run, 0) if run in ("ar", "chain") else ("ddtree", int(run))
+    d = (None, None) if method == "ar" else (dparams, dcfg)
+    lc = decode.LoopConfig(method=method, max_new_tokens=17, num_drafts=0 if d[1] is None else 15,
+                           budget=budget, attention=attention)
+    state = bench_step.state_shape(tcfg, d[1], lc, FLAGS.batch, FLAGS.prefix)
+    t0 = time.perf_counter()
+    lowered = decode.decode_loop.lower(put(tparams), put(d[0]), put(state), tcfg=tcfg, dcfg=d[1],
+                                       lc=lc)
+    t1 = time.perf_counter()
+    lowered.compile()
+    print(f"{run:<12}{attention:>10}{FLAGS.batch:>6}{t1 - t0:>9.1f}"
+          f"{time.perf_counter() - t1:>11.1f}", flush=True)
+
+
+if __name__ == "__main__":
+  app.run(main)
