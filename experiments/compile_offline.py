@@ -6,6 +6,7 @@ ancestor-chain trap was found, see WORKSPACE.md). Needs the CUDA plugin with its
 
   pip install 'jax-cuda13-plugin[with-cuda]==0.11.2' jax-cuda13-pjrt==0.11.2
   JAX_PLATFORMS=cpu python experiments/compile_offline.py --runs=ar,chain,32,256 --attention=pallas
+  JAX_PLATFORMS=cpu python experiments/compile_offline.py --runs=ar,32 --tp=2 --batch=8
 
 Prints lower / compile seconds per decode loop (`bench_step.py`'s shapes and random-weight layout).
 """
@@ -13,16 +14,19 @@ Prints lower / compile seconds per decode loop (`bench_step.py`'s shapes and ran
 import os
 import time
 
+import numpy as np
+
 from absl import app, flags
 import jax
 from jax.experimental.topologies import get_topology_desc
 
 import bench_step
-from ddtree_jax import decode, model
+from ddtree_jax import decode, model, sharding
 
 flags.DEFINE_string("runs", "ar,chain,32,256", "ar, chain or ddtree budgets")
 flags.DEFINE_integer("batch", 1, "batch size")
 flags.DEFINE_integer("prefix", 1024, "committed prefix length")
+flags.DEFINE_integer("tp", 1, "tensor-parallel devices (a mesh of that many H200s when > 1)")
 # --small and --attention (first entry) are bench_step's flags
 flags.DEFINE_string("target_config", os.path.join(os.path.dirname(__file__),
                                                   "h200_target_config.txtpb"),
@@ -32,23 +36,35 @@ FLAGS = flags.FLAGS
 
 def main(_):
   with open(FLAGS.target_config) as f:
-    topo = get_topology_desc("h200", "cuda", target_config=f.read(), topology="1x1x1")
-  on_gpu = jax.sharding.SingleDeviceSharding(topo.devices[0])
-  put = lambda t: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_gpu), t)
+    topo = get_topology_desc("h200", "cuda", target_config=f.read(),
+                             topology=f"1x1x{FLAGS.tp}")
+  mesh = None
+  if FLAGS.tp > 1:
+    mesh = jax.sharding.Mesh(np.array(topo.devices).reshape(1, FLAGS.tp), ("dp", "tp"))
+    put = lambda t: t if t is None else jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), t,
+        sharding.shardings(t, mesh))
+  else:
+    on_gpu = jax.sharding.SingleDeviceSharding(topo.devices[0])
+    put = lambda t: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_gpu),
+                                 t)
   tcfg = bench_step.qwen3_8b(FLAGS.small)
   tparams = jax.eval_shape(lambda: model.init_params(tcfg, jax.random.key(0)))
   dcfg = bench_step.drafter_config(tcfg, FLAGS.small)
   dparams = jax.eval_shape(lambda: bench_step.make_drafter(tcfg, jax.random.key(1), FLAGS.small)[0])
   attention = FLAGS.attention.split(",")[0]
+  print(f"tp={FLAGS.tp}")
   print(f"{'run':<12}{'attention':>10}{'batch':>6}{'lower s':>9}{'compile s':>11}", flush=True)
   for run in FLAGS.runs.split(","):
     method, budget = (run, 0) if run in ("ar", "chain") else ("ddtree", int(run))
     d = (None, None) if method == "ar" else (dparams, dcfg)
     lc = decode.LoopConfig(method=method, max_new_tokens=17, num_drafts=0 if d[1] is None else 15,
-                           budget=budget, attention=attention)
+                           budget=budget, attention=attention, mesh=mesh)
     state = bench_step.state_shape(tcfg, d[1], lc, FLAGS.batch, FLAGS.prefix)
+    if mesh is None:
+      state = put(state)  # on a mesh state_shape already carries the shardings
     t0 = time.perf_counter()
-    lowered = decode.decode_loop.lower(put(tparams), put(d[0]), put(state), tcfg=tcfg, dcfg=d[1],
+    lowered = decode.decode_loop.lower(put(tparams), put(d[0]), state, tcfg=tcfg, dcfg=d[1],
                                        lc=lc)
     t1 = time.perf_counter()
     lowered.compile()
