@@ -75,6 +75,7 @@ def get_config():
   c.prompt_len = 0                                   # > 0: random prompts of this many tokens
   c.profile = "all"                                  # per-stage times: "", "all" or methods list
   c.profile_repeats = 5
+  c.compile_threads = 1                              # programs of a batch compiled in parallel
   c.near_tie_eps = 0.1                               # top-1 minus top-2 logit gap of a near-tie
   c.progress = True                                  # tqdm progress bars
 

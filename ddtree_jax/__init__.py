@@ -3,7 +3,8 @@
 import os as _os
 
 from ddtree_jax.checkpoint import Drafter, Target, load_drafter, load_target
-from ddtree_jax.engine import GenerateResult, draft_logits, forward_logits, generate
+from ddtree_jax.engine import (GenerateResult, compile_many, compile_only, draft_logits,
+                               forward_logits, generate)
 from ddtree_jax.tree import DraftTree, build_tree
 
 DEFAULT_MODEL_DIR = _os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "default_model")
@@ -22,5 +23,5 @@ def load_default(dtype="float32") -> tuple[Target, Drafter]:
 
 
 __all__ = ["DEFAULT_MODEL_DIR", "Drafter", "DraftTree", "GenerateResult", "Target", "build_tree",
-           "draft_logits", "forward_logits", "generate", "load_default", "load_drafter",
-           "load_target"]
+           "compile_many", "compile_only", "draft_logits", "forward_logits", "generate",
+           "load_default", "load_drafter", "load_target"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import os
@@ -122,25 +123,43 @@ def _prepare(target, prompts, *, method, max_new_tokens, temperature, seed, stop
   return args, capacity, statics
 
 
+_DEFAULTS = dict(temperature=0.0, seed=0, stop_token_ids=None, drafter=None, budget=None,
+                 topk_cap=None, cache_capacity=None, attention=None, top_k=None, top_p=None)
+
+
+def compile_only(target: Target, prompts: Sequence[Sequence[int]], **kwargs) -> float:
+  """Compiles the programs `generate(target, prompts, **kwargs)` would run, without running
+  them (a no-op when they are cached). Returns the seconds it took."""
+  args, capacity, statics = _prepare(target, prompts, **(_DEFAULTS | kwargs))
+  t0 = time.perf_counter()
+  _programs(args, capacity, statics)
+  return time.perf_counter() - t0
+
+
+def compile_many(target: Target, requests: Sequence[tuple[Sequence[Sequence[int]], dict]],
+                 threads: int = 1) -> list[float]:
+  """`compile_only` for each (prompts, generate kwargs) request, `threads` at a time (XLA
+  compiles on the host, so distinct programs compile in parallel). Seconds per request; with
+  threads > 1 they overlap."""
+  if threads <= 1:
+    return [compile_only(target, p, **kw) for p, kw in requests]
+  with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+    return list(pool.map(lambda r: compile_only(target, r[0], **r[1]), requests))
+
+
 def precompile(target: Target, *, batch: int, prompt_len: int, max_new_tokens: int,
-               budgets=(), methods=("ar",), drafter: Drafter | None = None,
+               budgets=(), methods=("ar",), drafter: Drafter | None = None, threads: int = 1,
                **kwargs) -> dict[str, float]:
   """Ahead-of-time compiles the programs `generate` would use for requests of this shape:
-  every method in `methods` ("ddtree" once per budget). Returns compile seconds per program.
-  Pair with `enable_compilation_cache` to keep them across processes."""
-  seconds = {}
+  every method in `methods` ("ddtree" once per budget), `threads` programs at a time. Returns
+  compile seconds per program. Pair with `enable_compilation_cache` to keep them across
+  processes."""
   runs = [(m, b) for m in methods for b in (budgets if m == "ddtree" else (None,))]
-  for method, budget in runs:
-    prompts = [[0] * prompt_len] * batch
-    args, capacity, statics = _prepare(
-        target, prompts, method=method, max_new_tokens=max_new_tokens, drafter=drafter,
-        budget=budget, **({"temperature": 0.0, "seed": 0, "stop_token_ids": None, "topk_cap": None,
-                           "cache_capacity": None, "attention": None, "top_k": None,
-                           "top_p": None} | kwargs))
-    t0 = time.perf_counter()
-    _programs(args, capacity, statics)
-    seconds[method if budget is None else f"{method}/{budget}"] = time.perf_counter() - t0
-  return seconds
+  prompts = [[0] * prompt_len] * batch
+  requests = [(prompts, dict(kwargs, method=m, budget=b, max_new_tokens=max_new_tokens,
+                             drafter=drafter)) for m, b in runs]
+  seconds = compile_many(target, requests, threads)
+  return {m if b is None else f"{m}/{b}": s for (m, b), s in zip(runs, seconds)}
 
 
 def enable_compilation_cache(path: str, min_compile_seconds: float = 0.0) -> None:

@@ -5,14 +5,17 @@
   python experiments/bench_matrix.py --config=configs/bench_matrix.py --config.budgets=64,256 \
       --config.batches=1 --mesh_tp=8
 
-Per cell (batch, method, budget): tokens/s (median of `repeats` timed runs after one warm-up run
-that compiles; compile, warm-up and prefill seconds reported separately), tau (mean acceptance
+Per batch, every program of the matrix is compiled first (`compile_threads` at a time: GPU compiles
+run on the host and take 10-25 s each). Per cell (batch, method, budget): tokens/s (median of
+`repeats` timed runs after one warm-up run; compile, warm-up and prefill seconds reported
+separately), tau (mean acceptance
 length), steps, speed-up vs AR and vs chain of the same batch in the same run, per-stage step
 times (draft, tree, verify, accept+commit, each its own program, on a prefill state of the same
 prompts: `profile`), and the divergence from AR: for every sequence whose tokens differ from AR's,
 the target's top-1 minus top-2 logit gap at the first differing position (on the AR prefix,
 dj.forward_logits); a divergence is a near-tie when the gap < near_tie_eps (expected in bf16 only;
-in float32 every method must equal AR). Writes bench.csv, bench.json and PNG plots to out_dir.
+in float32 every method must equal AR). Writes bench.csv, bench.json and PNG plots to out_dir, and each row to rows.jsonl as soon as it is
+measured (`--plot_from=OUT/rows.jsonl` prints the table and plots of a run cut short).
 The last line printed is one JSON object {"results": [...]}.
 """
 
@@ -27,6 +30,7 @@ import sys
 import time
 
 import numpy as np
+from absl import flags
 
 import workflow  # experiments/workflow.py (puts the repo on sys.path)
 
@@ -108,6 +112,8 @@ def run(cfg, mesh=None) -> dict:
   import ddtree_jax as dj  # pylint: disable=import-outside-toplevel
   plan = workflow.validate(cfg)
   t_start = time.perf_counter()
+  if os.path.exists(os.path.join(cfg.out_dir, "rows.jsonl")):
+    os.remove(os.path.join(cfg.out_dir, "rows.jsonl"))
   target, drafter = workflow.load_models(cfg, mesh)
   if cfg.random_target or cfg.random_drafter:
     print(f"note: random weights (target: {cfg.random_target}, drafter: {cfg.random_drafter}); "
@@ -117,13 +123,15 @@ def run(cfg, mesh=None) -> dict:
              unit="run", disable=not cfg.progress, file=sys.stderr, dynamic_ncols=True)
   for batch in plan.batches:
     prompts = workflow.make_prompts(cfg, target, batch)
+    bar.set_postfix_str(f"batch {batch}: compiling {len(plan.runs)} programs")
+    kws = [workflow.generate_kwargs(cfg, m, b, drafter) for m, b in plan.runs]
+    compile_s = dj.compile_many(target, [(prompts, kw) for kw in kws], cfg.compile_threads)
     reference, cell = None, []
-    for method, budget in plan.runs:
+    for (method, budget), kw, c_s in zip(plan.runs, kws, compile_s):
       name = workflow.Plan.name(method, budget)
       bar.set_postfix_str(f"batch {batch} {name}")
-      kw = workflow.generate_kwargs(cfg, method, budget, drafter)
       t0 = time.perf_counter()
-      warm = dj.generate(target, prompts, **kw)  # compiles; excluded from the timings
+      warm = dj.generate(target, prompts, **kw)  # warm-up; excluded from the timings
       warmup_s = time.perf_counter() - t0
       bar.update()
       timed = []
@@ -143,7 +151,8 @@ def run(cfg, mesh=None) -> dict:
           "tau": res.stats["tau"], "steps": steps, "new_tokens": sum(len(t) for t in res.tokens),
           "step_ms": decode_s / steps * 1e3 if steps else None, "decode_seconds": decode_s,
           "prefill_seconds": _median_stat(timed, "prefill_seconds"),
-          "compile_seconds": warm.stats["compile_seconds"], "warmup_seconds": warmup_s,
+          "compile_seconds": c_s, "compile_threads": cfg.compile_threads,
+          "warmup_seconds": warmup_s,
           "acceptance_lengths": [a for seq in res.stats["acceptance_lengths"] for a in seq],
       }
       if method == "ar":
@@ -155,12 +164,8 @@ def run(cfg, mesh=None) -> dict:
         bar.set_postfix_str(f"batch {batch} {name} stages")
         row.update(stage_ms(cfg, target, drafter, prompts, method, budget))
       cell.append(row)
-    base = {m: next((r["tokens_per_second"] for r in cell if r["method"] == m), None)
-            for m in ("ar", "chain")}
-    for r in cell:
-      for m, v in base.items():
-        r[f"speedup_vs_{m}"] = r["tokens_per_second"] / v if v else None
-    rows += cell
+      _append_jsonl(cfg.out_dir, row)  # a run cut short keeps what it measured
+    rows += add_speedups(cell)
   bar.close()
   meta = _meta(cfg, target, drafter, time.perf_counter() - t_start)
   files = write_outputs(cfg, rows, meta)
@@ -168,6 +173,25 @@ def run(cfg, mesh=None) -> dict:
   for f in files:
     print(f"wrote {f}")
   return {"rows": rows, "files": files, "meta": meta}
+
+
+def add_speedups(rows) -> list[dict]:
+  """Sets speedup_vs_ar / speedup_vs_chain: tokens/s over the same batch's AR / chain row."""
+  for r in rows:
+    for m in ("ar", "chain"):
+      v = next((b["tokens_per_second"] for b in rows
+                if b["batch"] == r["batch"] and b["method"] == m), None)
+      r[f"speedup_vs_{m}"] = r["tokens_per_second"] / v if v else None
+  return rows
+
+
+def load_rows(path) -> tuple[list[dict], dict | None]:
+  """(rows, meta) of a finished run's bench.json or of a cut run's rows.jsonl (no meta)."""
+  with open(path) as f:
+    if path.endswith(".jsonl"):
+      return add_speedups([json.loads(line) for line in f if line.strip()]), None
+    data = json.load(f)
+  return data["rows"], data["meta"]
 
 
 def _meta(cfg, target, drafter, seconds) -> dict:
@@ -186,6 +210,12 @@ def _meta(cfg, target, drafter, seconds) -> dict:
           "block_size": drafter.config.block_size if drafter else None, "seconds": seconds}
 
 
+def _append_jsonl(out_dir, row) -> None:
+  os.makedirs(out_dir, exist_ok=True)
+  with open(os.path.join(out_dir, "rows.jsonl"), "a") as f:
+    f.write(json.dumps(row, default=str) + "\n")
+
+
 def write_outputs(cfg, rows, meta) -> list[str]:
   os.makedirs(cfg.out_dir, exist_ok=True)
   csv_path = os.path.join(cfg.out_dir, "bench.csv")
@@ -197,7 +227,11 @@ def write_outputs(cfg, rows, meta) -> list[str]:
   json_path = os.path.join(cfg.out_dir, "bench.json")
   with open(json_path, "w") as f:
     json.dump({"meta": meta, "config": cfg.to_dict(), "rows": rows}, f, indent=1, default=str)
-  return [csv_path, json_path] + plot(rows, cfg.out_dir, meta)
+  try:
+    return [csv_path, json_path] + plot(rows, cfg.out_dir, meta)
+  except ImportError as e:  # e.g. a GPU machine without matplotlib: redraw with --plot_from
+    print(f"no plots ({e}); redraw later: bench_matrix.py --plot_from={json_path}", flush=True)
+    return [csv_path, json_path]
 
 
 def plot(rows, out_dir, meta=None) -> list[str]:
@@ -312,6 +346,12 @@ def main(_):
   from absl import logging  # pylint: disable=import-outside-toplevel
   from ddtree_jax import sharding  # pylint: disable=import-outside-toplevel
   logging.set_verbosity(logging.WARNING)
+  if _PLOT_FROM.value:  # table + plots of an earlier run (e.g. one from a GPU machine)
+    rows, meta = load_rows(_PLOT_FROM.value)
+    print_table(rows)
+    for path in plot(rows, os.path.dirname(_PLOT_FROM.value), meta):
+      print(f"wrote {path}")
+    return
   out = run(_CONFIG.value, sharding.mesh_from_flags())
   keep = ("batch", "method", "budget", "tau", "tokens_per_second", "speedup_vs_ar",
           "speedup_vs_chain", "divergent_seqs", "near_tie_divergences")
@@ -322,4 +362,7 @@ if __name__ == "__main__":
   from ddtree_jax import sharding as _sharding
   _CONFIG = workflow.define_config("configs/bench_smoke.py")
   _sharding.define_mesh_flags()
+  _PLOT_FROM = flags.DEFINE_string("plot_from", "",
+                                    "only print the table and draw the plots of this bench.json "
+                                    "(or the rows.jsonl of a run cut short)")
   workflow.run_app(main)

@@ -296,8 +296,9 @@ def print_tables():
     if r["section"] == "spec":
       print(f"{r['attention']:<7}{r['method']:<8}{r['budget']:>5}{r['batch']:>6}{r['prefix']:>7}"
             f"{r['step_ms']:>9.3f}"
-            f"{r['vs_ar_step']:>7.2f}{r.get('draft_ms', 0):>8.3f}{r.get('tree_ms', 0):>8.3f}"
-            f"{r.get('verify_ms', 0):>8.3f}{r.get('accept_commit_ms', 0):>8.3f}")
+            f"{r['vs_ar_step']:>7.2f}" + "".join(
+                f"{r[k]:>8.3f}" if k in r else f"{'-':>8}"
+                for k in ("draft_ms", "tree_ms", "verify_ms", "accept_commit_ms")))
   for r in ROWS:
     if r["section"] == "compile":
       print(f"compile s: {r['attention']} {r['method']}/B={r['budget']} batch {r['batch']}: " +

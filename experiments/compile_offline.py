@@ -12,6 +12,7 @@ Prints lower / compile seconds per decode loop (`bench_step.py`'s shapes and ran
 """
 
 import os
+import re
 import time
 
 import numpy as np
@@ -27,6 +28,7 @@ flags.DEFINE_string("runs", "ar,chain,32,256", "ar, chain or ddtree budgets")
 flags.DEFINE_integer("batch", 1, "batch size")
 flags.DEFINE_integer("prefix", 1024, "committed prefix length")
 flags.DEFINE_integer("tp", 1, "tensor-parallel devices (a mesh of that many H200s when > 1)")
+flags.DEFINE_string("hlo_dir", "", "write each optimized HLO here and count its collectives")
 # --small and --attention (first entry) are bench_step's flags
 flags.DEFINE_string("target_config", os.path.join(os.path.dirname(__file__),
                                                   "h200_target_config.txtpb"),
@@ -67,9 +69,24 @@ def main(_):
     lowered = decode.decode_loop.lower(put(tparams), put(d[0]), state, tcfg=tcfg, dcfg=d[1],
                                        lc=lc)
     t1 = time.perf_counter()
-    lowered.compile()
+    compiled = lowered.compile()
     print(f"{run:<12}{attention:>10}{FLAGS.batch:>6}{t1 - t0:>9.1f}"
           f"{time.perf_counter() - t1:>11.1f}", flush=True)
+    if FLAGS.hlo_dir:
+      hlo = compiled.as_text()
+      path = os.path.join(FLAGS.hlo_dir, f"{run}_b{FLAGS.batch}_tp{FLAGS.tp}.hlo.txt")
+      os.makedirs(FLAGS.hlo_dir, exist_ok=True)
+      with open(path, "w") as f:
+        f.write(hlo)
+      print(f"  {path}: " + ", ".join(f"{k} {n}" for k, n in collectives(hlo).items()))
+
+
+def collectives(hlo: str) -> dict[str, int]:
+  """Collective ops in an optimized HLO text (static count: a while body counts once)."""
+  ops = ("all-reduce-start", "all-reduce", "all-gather-start", "all-gather", "reduce-scatter",
+         "collective-permute-start", "collective-permute", "all-to-all")
+  counts = {op: len(re.findall(rf"= [^=]*? {op}\(", hlo)) for op in ops}
+  return {k: v for k, v in counts.items() if v}
 
 
 if __name__ == "__main__":

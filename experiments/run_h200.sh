@@ -2,14 +2,17 @@
 # The H200 measurements of WORKSPACE.md, one part per device call (each part fits in 10 minutes).
 #
 #   experiments/run_h200.sh compile OUT  # serial compile seconds of every program (loop + stages)
-#   experiments/run_h200.sh step OUT     # AR vs floor, chain / DDTree by budget with stages, host
+#   experiments/run_h200.sh step OUT     # batch 1: AR vs floor, chain / DDTree by budget, stages, host
+#   experiments/run_h200.sh step8 OUT    # the same at batch 8
+#   experiments/run_h200.sh profile OUT  # GPU kernels per step (profile_step.py); profile_tp: tp=2
 #   experiments/run_h200.sh kernel OUT   # the attention kernel grid (batch 1, then 8)
 #   experiments/run_h200.sh tp OUT       # tp=1 vs tp=2 (needs 2 GPUs); bf16 divergences at tp=2
-#   experiments/run_h200.sh matrix OUT   # bench_matrix: bundled pair (float32), T=0 vs 1, Qwen3-8B
+#   experiments/run_h200.sh matrix OUT   # bench_matrix: bundled pair (float32), T=0 vs 1
+#   experiments/run_h200.sh m8b OUT      # bench_matrix: Qwen3-8B shape
 #
-# Run `compile` first: on 2026-11-29 every DDTree program compiled for minutes on the H200 (a
-# chain of dependent gathers in tree.py, fixed since; experiments/compile_offline.py checks compile
-# times without a GPU), see WORKSPACE.md.
+# bench_matrix compiles each batch's programs 8 at a time (configs/bench_matrix.py
+# compile_threads); bench_step compiles serially. experiments/compile_offline.py checks compile
+# times without a GPU (see WORKSPACE.md for the DDTree compile trap it found).
 # Every part runs under `timeout` and writes rows as it goes, so a cut run keeps what it had.
 # NCCL's NVLink multicast stays off (NCCL_NVLS_ENABLE=0), as the machine requires.
 set -u
@@ -26,11 +29,27 @@ case $what in
     timeout 560 $step --sections=compile --attention=pallas --batches=1 --spec_prefixes=1024 \
       --budgets=chain,4,32,256 --json_out="$out/compile.jsonl" >"$out/compile.log" 2>&1
     ;;
-  step)
-    timeout 560 $step --sections=copy,ar,spec,host --batches=1,8 --prefixes=1024,8192 \
+  step)   # batch 1: 4 AR + 12 spec loops + 12 stage programs, ~330 s with serial compile
+    timeout 560 $step --sections=copy,ar,spec,host --batches=1 --prefixes=1024,8192 \
       --attention=pallas,xla --spec_prefixes=1024,8192 --budgets=chain,1,4,16,32,64,128,256 \
-      --alt_runs=chain,32 --stage_runs=chain,32,256 --json_out="$out/step.jsonl" \
-      >"$out/step.log" 2>&1
+      --alt_runs=chain,32 --stage_runs=chain,32,256 --json_out="$out/step_b1.jsonl" \
+      >"$out/step_b1.log" 2>&1
+    ;;
+  step8)  # batch 8: ~300 s
+    timeout 560 $step --sections=copy,ar,spec --batches=8 --prefixes=1024,8192 \
+      --attention=pallas,xla --spec_prefixes=1024 --budgets=chain,1,4,16,32,64,128,256 \
+      --alt_runs=chain,32 --stage_runs=chain,32,256 --json_out="$out/step_b8.jsonl" \
+      >"$out/step_b8.log" 2>&1
+    ;;
+  profile)  # kernels per step: AR / chain / DDTree 32, 64 at batch 1, DDTree 32 at batch 8
+    timeout 330 $py experiments/profile_step.py --runs=ar,chain,32,64 --batch=1 \
+      --attention=pallas --steps=16 >"$out/profile.log" 2>&1
+    timeout 200 $py experiments/profile_step.py --runs=32 --batch=8 --attention=pallas \
+      --steps=16 >>"$out/profile.log" 2>&1
+    ;;
+  profile_tp)  # needs 2 GPUs: the same at tp=2 (the batch-1 AR step is slower than at tp=1)
+    timeout 400 $py experiments/profile_step.py --runs=ar,32 --batch=1 --mesh_tp=2 \
+      --attention=pallas --steps=16 >"$out/profile_tp.log" 2>&1
     ;;
   kernel)
     timeout 280 $py experiments/bench_attention.py --batches 1 >"$out/attention.log" 2>&1
@@ -38,8 +57,8 @@ case $what in
     ;;
   tp)
     for tp in 1 2; do
-      timeout 200 $step --mesh_tp=$tp --sections=copy,ar,spec --batches=1,8 --prefixes=1024 \
-        --attention=pallas,xla --spec_prefixes=1024 --budgets=32 --alt_runs=32 --nostages \
+      timeout 230 $step --mesh_tp=$tp --sections=copy,ar,spec --batches=1,8 --prefixes=1024 \
+        --attention=pallas --spec_prefixes=1024 --budgets=32 --nostages \
         --json_out="$out/tp.jsonl" >>"$out/tp.log" 2>&1
     done
     timeout 150 $py experiments/bench_matrix.py --config=configs/bench_matrix.py --mesh_tp=2 \
@@ -50,21 +69,25 @@ case $what in
     ;;
   matrix)
     # the bundled pair in float32 at full matmul precision: any divergence from AR is a bug
-    JAX_DEFAULT_MATMUL_PRECISION=highest timeout 150 $py experiments/bench_matrix.py \
+    JAX_DEFAULT_MATMUL_PRECISION=highest timeout 330 $py experiments/bench_matrix.py \
       --config=configs/bench_matrix.py:default --config.profile= --config.progress=False \
       --config.out_dir="$out/mdef" >"$out/matrix.log" 2>&1
     for t in 0.0 1.0; do
-      JAX_DEFAULT_MATMUL_PRECISION=highest timeout 60 $py experiments/bench_matrix.py \
+      JAX_DEFAULT_MATMUL_PRECISION=highest timeout 100 $py experiments/bench_matrix.py \
         --config=configs/bench_matrix.py:default --config.temperature=$t --config.budgets=32 \
         --config.batches=4 --config.max_new_tokens=96 --config.profile= --config.progress=False \
         --config.out_dir="$out/temp_$t" >>"$out/matrix.log" 2>&1
     done
-    timeout 320 $py experiments/bench_matrix.py --config=configs/bench_matrix.py \
-      --config.max_new_tokens=64 --config.repeats=2 --config.profile= --config.progress=False \
-      --config.out_dir="$out/m8b" >>"$out/matrix.log" 2>&1
-    tar -C "$out" -czf "$out/matrix.tgz" mdef temp_0.0 temp_1.0 m8b 2>/dev/null
-    rm -rf "$out"/mdef "$out"/temp_* "$out"/m8b
+    tar -C "$out" -czf "$out/matrix.tgz" mdef temp_0.0 temp_1.0 2>/dev/null
+    rm -rf "$out"/mdef "$out"/temp_*
     ;;
-  *) echo "usage: $0 compile|step|kernel|tp|matrix OUT" >&2; exit 2 ;;
+  m8b)
+    # Qwen3-8B shape (random weights: step times, tau ~1); rows.jsonl keeps the cells of a cut run
+    timeout 560 $py experiments/bench_matrix.py --config=configs/bench_matrix.py \
+      --config.max_new_tokens=64 --config.repeats=2 --config.profile= --config.progress=False \
+      --config.out_dir="$out/m8b" >"$out/m8b.log" 2>&1
+    tar -C "$out" -czf "$out/m8b.tgz" m8b 2>/dev/null && rm -r "$out/m8b"
+    ;;
+  *) echo "usage: $0 compile|step|step8|profile|profile_tp|kernel|tp|matrix|m8b OUT" >&2; exit 2 ;;
 esac
 ls -la "$out"

@@ -217,6 +217,7 @@ def validate(cfg, *, needs_drafter_for_spec: bool = True, baselines: bool | None
     raise ConfigError(f"unknown attention {cfg.attention!r}; valid: '' (engine default), xla, "
                       "pallas")
   for key, lo in (("max_new_tokens", 1), ("repeats", 1), ("profile_repeats", 1),
+                  ("compile_threads", 1),
                   ("prompt_len", 0), ("topk_cap", 0), ("coding.max_new_tokens", 1),
                   ("coding.memory_mb", 16)):
     v = cfg

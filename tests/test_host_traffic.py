@@ -49,6 +49,23 @@ def test_precompile_and_persistent_cache(tmp_path):
     jax.config.update("jax_compilation_cache_dir", None)
 
 
+def test_compile_many_in_threads_then_generate_reuses(tmp_path):
+  """Programs compiled two at a time in threads are the ones generate then runs (no recompile),
+  for ragged prompts and exactly generate's keyword arguments; results stay lossless."""
+  target = dj.load_target(os.path.join(FIXTURES, "qwen3_gqa"), dtype="float32")
+  d = dj.load_drafter(write_drafter(str(tmp_path / "d"), target.config), target)
+  prompts = [[5, 6, 7], [1, 2, 3, 4, 9, 8, 7]]
+  kws = [dict(method="ar", max_new_tokens=7, stop_token_ids=()),
+         dict(method="chain", drafter=d, max_new_tokens=7, stop_token_ids=()),
+         dict(method="ddtree", drafter=d, budget=5, max_new_tokens=7, stop_token_ids=())]
+  secs = dj.compile_many(target, [(prompts, kw) for kw in kws], threads=2)
+  assert len(secs) == 3 and all(s > 0 for s in secs)
+  outs = [dj.generate(target, prompts, **kw) for kw in kws]
+  assert all(o.stats["compile_seconds"] < 0.05 for o in outs)
+  assert outs[1].tokens == outs[0].tokens == outs[2].tokens
+  assert dj.compile_only(target, prompts, **kws[2]) < 0.05  # cached: nothing to compile
+
+
 def test_stage_programs_compile_ahead_and_time(tmp_path):
   """profiling.compile_stages AOT-compiles the four stages on abstract shapes (per-program compile
   seconds); stage_seconds runs them on a real prefill state and does not recompile."""

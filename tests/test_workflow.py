@@ -148,6 +148,12 @@ def test_bench_smoke_cpu(tmp_path, drafter_dir):
   assert data["meta"]["platform"] == "cpu" and len(data["rows"]) == 3
   for png in ("tokens_per_second.png", "tau.png", "acceptance_hist.png", "speedup.png"):
     assert (tmp_path / png).stat().st_size > 1000
+  # rows.jsonl (written row by row, for runs cut short) gives back the same rows and speed-ups
+  partial, meta = bench_matrix.load_rows(str(tmp_path / "rows.jsonl"))
+  assert meta is None and [(r["method"], r["budget"]) for r in partial] == [
+      (r["method"], r["budget"]) for r in out["rows"]]
+  assert [r["speedup_vs_chain"] for r in partial] == pytest.approx(
+      [r["speedup_vs_chain"] for r in out["rows"]])
 
   # Near-tie accounting: a forged divergence at position 3 of a reference output.
   import ddtree_jax as dj

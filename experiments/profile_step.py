@@ -1,0 +1,149 @@
+"""Where a decode step's time goes: device kernels of one traced decode loop, per step.
+
+  python experiments/profile_step.py --runs=ar,32,64 --batch=1            # H200, Qwen3-8B shape
+  python experiments/profile_step.py --runs=ar --batch=1 --mesh_tp=2      # tp=2: collectives too
+  python experiments/profile_step.py --small --runs=ar,8                  # CPU smoke
+
+Same shapes and random weights as bench_step.py. Per run: compile, one warm-up loop, then one loop
+of --steps steps under jax.profiler with a Perfetto trace, which this script reads back (no
+TensorBoard needed): device kernels grouped by name and by kind (matmul, attention kernel,
+collective, top-k / sort, other fusion), microseconds per decode step and share of the kernel time.
+On CPU the "kernels" are the XLA thunks of the host trace.
+"""
+
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import tempfile
+import time
+
+from absl import app, flags
+import jax
+
+import bench_step
+from ddtree_jax import model, sharding
+
+flags.DEFINE_string("runs", "ar,32,64", "ar, chain or ddtree budgets")
+flags.DEFINE_integer("batch", 1, "batch size")
+flags.DEFINE_integer("prefix", 1024, "committed prefix length")
+flags.DEFINE_integer("top", 20, "kernels listed per run")
+flags.DEFINE_string("trace_dir", "", "keep the traces here (default: a temporary directory)")
+# --small, --steps, --attention (first entry) and --mesh_* are bench_step's flags
+FLAGS = flags.FLAGS
+
+KINDS = (  # first match wins; patterns over lower-cased kernel names
+    ("collective", r"nccl|all-reduce|all_reduce|allreduce|all-gather|all_gather|reduce-scatter|"
+                   r"collective"),
+    ("attention", r"tree_attention"),
+    ("top-k / sort", r"topk|top_k|sort"),
+    ("matmul", r"gemm|cublas|cutlass|matmul|dot|sm90_xmma|wgmma"),
+)
+
+
+def kind(name: str) -> str:
+  low = name.lower()
+  return next((k for k, pat in KINDS if re.search(pat, low)), "other")
+
+
+def kernel_events(trace: dict) -> list[tuple[str, float]]:
+  """(name, microseconds) of the device kernels of a Perfetto/Chrome trace: the GPU stream
+  threads (not the XLA Ops / Modules summary lines); without a GPU, the host's XLA ops. Events
+  that enclose others on their thread (a while loop around its body) are dropped."""
+  events = trace["traceEvents"] if isinstance(trace, dict) else trace
+  meta = lambda what: {(e["pid"], e.get("tid")) if what == "thread_name" else e["pid"]:
+                       e.get("args", {}).get("name", "") for e in events
+                       if e.get("ph") == "M" and e.get("name") == what}
+  pname, tname = meta("process_name"), meta("thread_name")
+  complete = [e for e in events if e.get("ph") == "X" and "dur" in e]
+  gpu = {p for p, n in pname.items() if re.search(r"gpu", n.lower())}
+  if gpu:
+    on_gpu = [e for e in complete if e["pid"] in gpu]
+    streams = [e for e in on_gpu if "stream" in tname.get((e["pid"], e.get("tid")), "").lower()]
+    picked = streams or [e for e in on_gpu if not re.search(
+        r"xla (ops|modules)|steps|source", tname.get((e["pid"], e.get("tid")), "").lower())]
+  else:
+    picked = [e for e in complete if "hlo_op" in e.get("args", {})]
+  return [(e["name"], float(e["dur"])) for e in _leaves(picked)]
+
+
+def _leaves(events):
+  """The events that contain no other event of the same (pid, tid)."""
+  out = []
+  by_thread = collections.defaultdict(list)
+  for e in events:
+    by_thread[(e["pid"], e.get("tid"))].append(e)
+  for evs in by_thread.values():
+    evs.sort(key=lambda e: (e["ts"], -e["dur"]))
+    for i, e in enumerate(evs):
+      nxt = evs[i + 1] if i + 1 < len(evs) else None
+      if nxt is None or nxt["ts"] >= e["ts"] + e["dur"]:
+        out.append(e)
+  return out
+
+
+def summarize(events, steps: int, top: int) -> tuple[list, list, float]:
+  """(top kernels, kinds, total us per step); rows: (name or kind, calls/step, us/step, share)."""
+  by_name, calls = collections.Counter(), collections.Counter()
+  for n, d in events:
+    by_name[n] += d
+    calls[n] += 1
+  total = sum(by_name.values())
+  by_kind = collections.Counter()
+  for n, d in by_name.items():
+    by_kind[kind(n)] += d
+  rows = [(n, calls[n] / steps, d / steps, d / total) for n, d in by_name.most_common(top)]
+  kinds = [(k, None, d / steps, d / total) for k, d in by_kind.most_common()]
+  return rows, kinds, total / steps
+
+
+def read_trace(trace_dir: str) -> dict:
+  paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True),
+                 key=os.path.getmtime)
+  if not paths:
+    raise FileNotFoundError(f"no *.trace.json.gz under {trace_dir}: the profiler wrote no trace")
+  with gzip.open(paths[-1], "rt") as f:
+    return json.load(f)
+
+
+def main(_):
+  small = FLAGS.small
+  bench_step.MESH = sharding.mesh_from_flags()
+  tcfg = bench_step.qwen3_8b(small)
+  tp = sharding.shard_params(model.init_params(tcfg, jax.random.key(0)), bench_step.MESH)
+  dp, dcfg = bench_step.make_drafter(tcfg, jax.random.key(1), small)
+  dp = sharding.shard_params(dp, bench_step.MESH)
+  attention = FLAGS.attention.split(",")[0]
+  steps, b, prefix = FLAGS.steps, FLAGS.batch, FLAGS.prefix
+  root = FLAGS.trace_dir or tempfile.mkdtemp(prefix="ddtree_trace_")
+  print(f"devices: {jax.devices()}  attention {attention}  batch {b}  prefix {prefix}  "
+        f"traces: {root}", flush=True)
+  for run in FLAGS.runs.split(","):
+    method, budget = (run, 0) if run in ("ar", "chain") else ("ddtree", int(run))
+    d = (None, None) if method == "ar" else (dp, dcfg)
+    lc = bench_step.loop_config(method=method, max_new_tokens=steps + 1, budget=budget,
+                                num_drafts=0 if method == "ar" else 15, attention=attention)
+    loop, _, compile_s = bench_step.compile_row(tp, tcfg, d[0], d[1], lc, b, prefix, False)
+    step_s = bench_step.time_loop(loop, tp, tcfg, d[0], d[1], lc, b, prefix, repeats=2)
+    st = jax.block_until_ready(bench_step.make_state(jax.random.key(1), tcfg, d[1], lc, b, prefix))
+    trace_dir = os.path.join(root, run)
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+      out = jax.block_until_ready(loop(tp, d[0], st))
+    n = int(out.step)
+    time.sleep(0.5)  # the trace file is written on exit of the context; give the fs a moment
+    rows, kinds, total = summarize(kernel_events(read_trace(trace_dir)), n, FLAGS.top)
+    print(f"\n== {method}{'' if method != 'ddtree' else f' B={budget}'}: step {step_s * 1e3:.3f} ms "
+          f"untraced, kernels {total / 1e3:.3f} ms per step ({n} steps traced, compile "
+          f"{compile_s:.1f} s)")
+    print(f"{'kind':<40}{'us/step':>10}{'share':>8}")
+    for k, _, us, share in kinds:
+      print(f"{k:<40}{us:>10.1f}{share:>8.1%}")
+    print(f"{'kernel':<64}{'calls':>7}{'us/step':>10}{'share':>8}")
+    for name, c, us, share in rows:
+      print(f"{name[:63]:<64}{c:>7.1f}{us:>10.1f}{share:>8.1%}")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,60 @@
+"""experiments/profile_step.py: reading kernel times back from a Perfetto trace."""
+
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "experiments"))
+import profile_step  # noqa: E402
+
+
+def _gpu_trace():
+  m = lambda pid, tid, what, name: {"ph": "M", "pid": pid, "tid": tid, "name": what,
+                                    "args": {"name": name}}
+  x = lambda pid, tid, name, ts, dur: {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": ts,
+                                       "dur": dur}
+  return {"traceEvents": [
+      m(1, 0, "process_name", "/host:CPU"), m(2, 0, "process_name", "/device:GPU:0"),
+      m(2, 7, "thread_name", "Stream #14(Compute)"), m(2, 8, "thread_name", "XLA Ops"),
+      m(2, 9, "thread_name", "XLA Modules"),
+      x(1, 0, "PjitFunction(decode_loop)", 0, 100),                    # host: ignored
+      x(2, 9, "jit_decode_loop", 0, 60),                               # module line: ignored
+      x(2, 8, "fusion.3", 0, 10),                                      # op line: ignored
+      x(2, 7, "triton_gemm_dot_1", 0, 10), x(2, 7, "triton_gemm_dot_1", 20, 10),
+      x(2, 7, "tree_attention", 30, 5), x(2, 7, "ncclDevKernel_AllReduce_Sum_bf16", 35, 4),
+      x(2, 7, "sort_topk_fusion", 39, 1), x(2, 7, "loop_add_fusion", 40, 10)]}
+
+
+def test_kernel_events_take_gpu_streams_only_and_kinds():
+  ev = profile_step.kernel_events(_gpu_trace())
+  assert sorted(ev) == sorted([("triton_gemm_dot_1", 10.0), ("triton_gemm_dot_1", 10.0),
+                               ("tree_attention", 5.0), ("ncclDevKernel_AllReduce_Sum_bf16", 4.0),
+                               ("sort_topk_fusion", 1.0), ("loop_add_fusion", 10.0)])
+  rows, kinds, per_step = profile_step.summarize(ev, steps=2, top=2)
+  assert per_step == pytest.approx(20.0)
+  assert rows[0] == ("triton_gemm_dot_1", 1.0, 10.0, pytest.approx(0.5))
+  assert {k: us for k, _, us, _ in kinds} == {"matmul": 10.0, "other": 5.0, "attention": 2.5,
+                                              "collective": 2.0, "top-k / sort": 0.5}
+
+
+def test_enclosing_events_are_not_counted_twice():
+  x = lambda name, ts, dur: {"ph": "X", "pid": 1, "tid": 1, "name": name, "ts": ts, "dur": dur,
+                             "args": {"hlo_op": name}}
+  trace = {"traceEvents": [x("while.1", 0, 100), x("fusion.1", 10, 30), x("fusion.2", 50, 20)]}
+  assert sorted(profile_step.kernel_events(trace)) == [("fusion.1", 30.0), ("fusion.2", 20.0)]
+
+
+def test_reads_a_real_cpu_trace(tmp_path):
+  f = jax.jit(lambda a: jnp.sort(a * 2.0) @ a)
+  a = jnp.ones((256,))
+  jax.block_until_ready(f(a))
+  with jax.profiler.trace(str(tmp_path), create_perfetto_trace=True):
+    jax.block_until_ready(f(a))
+  ev = profile_step.kernel_events(profile_step.read_trace(str(tmp_path)))
+  assert ev and all(d >= 0 for _, d in ev)
+  assert any(profile_step.kind(n) == "top-k / sort" for n, _ in ev)
+  with pytest.raises(FileNotFoundError, match="no .*trace"):
+    profile_step.read_trace(str(tmp_path / "empty"))
