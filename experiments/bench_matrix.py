@@ -8,14 +8,14 @@
 Per batch, every program of the matrix is compiled first (`compile_threads` at a time: GPU compiles
 run on the host and take 10-25 s each). Per cell (batch, method, budget): tokens/s (median of
 `repeats` timed runs after one warm-up run; compile, warm-up and prefill seconds reported
-separately), tau (mean acceptance
-length), steps, speed-up vs AR and vs chain of the same batch in the same run, per-stage step
-times (draft, tree, verify, accept+commit, each its own program, on a prefill state of the same
-prompts: `profile`), and the divergence from AR: for every sequence whose tokens differ from AR's,
-the target's top-1 minus top-2 logit gap at the first differing position (on the AR prefix,
-dj.forward_logits); a divergence is a near-tie when the gap < near_tie_eps (expected in bf16 only;
-in float32 every method must equal AR). Writes bench.csv, bench.json and PNG plots to out_dir, and each row to rows.jsonl as soon as it is
-measured (`--plot_from=OUT/rows.jsonl` prints the table and plots of a run cut short).
+separately), tau (mean acceptance length), steps, speed-up vs AR and vs chain of the same batch in
+the same run, per-stage step times (draft, tree, verify, accept+commit, each its own program, on a
+prefill state of the same prompts: `profile`), and the divergence from AR: for every sequence whose
+tokens differ from AR's, the target's top-1 minus top-2 logit gap at the first differing position
+(on the AR prefix, dj.forward_logits); a divergence is a near-tie when the gap < near_tie_eps
+(expected in bf16 only; in float32 every method must equal AR). Writes bench.csv, bench.json and
+PNG plots to out_dir, and each row to rows.jsonl as soon as it is measured
+(`--plot_from=OUT/rows.jsonl` prints the table and plots of a run cut short).
 The last line printed is one JSON object {"results": [...]}.
 """
 

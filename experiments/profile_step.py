@@ -18,7 +18,6 @@ import json
 import os
 import re
 import tempfile
-import time
 
 from absl import app, flags
 import jax
@@ -132,11 +131,10 @@ def main(_):
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
       out = jax.block_until_ready(loop(tp, d[0], st))
     n = int(out.step)
-    time.sleep(0.5)  # the trace file is written on exit of the context; give the fs a moment
     rows, kinds, total = summarize(kernel_events(read_trace(trace_dir)), n, FLAGS.top)
-    print(f"\n== {method}{'' if method != 'ddtree' else f' B={budget}'}: step {step_s * 1e3:.3f} ms "
-          f"untraced, kernels {total / 1e3:.3f} ms per step ({n} steps traced, compile "
-          f"{compile_s:.1f} s)")
+    name = method if method != "ddtree" else f"ddtree B={budget}"
+    print(f"\n== {name}: step {step_s * 1e3:.3f} ms untraced, kernels {total / 1e3:.3f} ms per "
+          f"step ({n} steps traced, compile {compile_s:.1f} s)")
     print(f"{'kind':<40}{'us/step':>10}{'share':>8}")
     for k, _, us, share in kinds:
       print(f"{k:<40}{us:>10.1f}{share:>8.1%}")
