@@ -156,6 +156,8 @@ def copy_bandwidth(small):
 
 
 def emit(row):
+  if row["section"] in ("ar", "spec"):  # these run on the --mesh_* mesh
+    row.update({k: (dict(MESH.shape).get(k, 1) if MESH is not None else 1) for k in ("dp", "tp")})
   ROWS.append(row)
   print(json.dumps(row), flush=True)
   if FLAGS.json_out:
