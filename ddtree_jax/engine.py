@@ -141,9 +141,7 @@ def compile_many(target: Target, requests: Sequence[tuple[Sequence[Sequence[int]
   """`compile_only` for each (prompts, generate kwargs) request, `threads` at a time (XLA
   compiles on the host, so distinct programs compile in parallel). Seconds per request; with
   threads > 1 they overlap."""
-  if threads <= 1:
-    return [compile_only(target, p, **kw) for p, kw in requests]
-  with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+  with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
     return list(pool.map(lambda r: compile_only(target, r[0], **r[1]), requests))
 
 

@@ -131,7 +131,7 @@ def run(cfg, mesh=None) -> dict:
       name = workflow.Plan.name(method, budget)
       bar.set_postfix_str(f"batch {batch} {name}")
       t0 = time.perf_counter()
-      warm = dj.generate(target, prompts, **kw)  # warm-up; excluded from the timings
+      dj.generate(target, prompts, **kw)  # warm-up; excluded from the timings
       warmup_s = time.perf_counter() - t0
       bar.update()
       timed = []

@@ -7,7 +7,8 @@
 Same shapes and random weights as bench_step.py. Per run: compile, one warm-up loop, then one loop
 of --steps steps under jax.profiler with a Perfetto trace, which this script reads back (no
 TensorBoard needed): device kernels grouped by name and by kind (matmul, attention kernel,
-collective, top-k / sort, other fusion), microseconds per decode step and share of the kernel time.
+collective, top-k / sort, other fusion), microseconds per decode step and share of the kernel
+time.
 On CPU the "kernels" are the XLA thunks of the host trace.
 """
 
