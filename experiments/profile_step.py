@@ -10,13 +10,23 @@ TensorBoard needed): device kernels grouped by name and by kind (matmul, attenti
 collective, top-k / sort, other fusion), microseconds per decode step and share of the kernel
 time.
 On CPU the "kernels" are the XLA thunks of the host trace.
+
+Kernels that XLA:GPU replays inside CUDA graphs (command buffers, on by default) are not traced one
+by one, so this script turns command buffers off (--xla_gpu_enable_command_buffer=) unless
+--command_buffers is given; the "untraced" step time it prints is then without CUDA graphs too.
 """
 
-import collections
+import os
+import sys
+
+if "--command_buffers" not in sys.argv:  # before jax initialises its backend
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + " --xla_gpu_enable_command_buffer=").strip()
+
+import collections  # pylint: disable=g-import-not-at-top,wrong-import-position
 import glob
 import gzip
 import json
-import os
 import re
 import tempfile
 
@@ -31,6 +41,7 @@ flags.DEFINE_integer("batch", 1, "batch size")
 flags.DEFINE_integer("prefix", 1024, "committed prefix length")
 flags.DEFINE_integer("top", 20, "kernels listed per run")
 flags.DEFINE_string("trace_dir", "", "keep the traces here (default: a temporary directory)")
+flags.DEFINE_bool("command_buffers", False, "keep XLA's CUDA graphs (their kernels are not traced)")
 # --small, --steps, --attention (first entry) and --mesh_* are bench_step's flags
 FLAGS = flags.FLAGS
 
@@ -119,7 +130,7 @@ def main(_):
   steps, b, prefix = FLAGS.steps, FLAGS.batch, FLAGS.prefix
   root = FLAGS.trace_dir or tempfile.mkdtemp(prefix="ddtree_trace_")
   print(f"devices: {jax.devices()}  attention {attention}  batch {b}  prefix {prefix}  "
-        f"traces: {root}", flush=True)
+        f"command buffers {'on' if FLAGS.command_buffers else 'off'}  traces: {root}", flush=True)
   for run in FLAGS.runs.split(","):
     method, budget = (run, 0) if run in ("ar", "chain") else ("ddtree", int(run))
     d = (None, None) if method == "ar" else (dp, dcfg)

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ddtree_jax import tree as tree_lib
 from ddtree_jax.tree import build_tree
 
 build_jit = jax.jit(build_tree, static_argnums=(1, 2))
@@ -224,3 +225,18 @@ def test_gather_count_does_not_grow_with_depth():
     f = jax.jit(lambda x: build_tree(x, 32))
     return f.lower(jnp.zeros((2, depth, 64), jnp.float32)).as_text().count("gather")
   assert gathers(15) == gathers(3)
+
+
+@pytest.mark.parametrize("n,k,chunk", [(5000, 32, None), (5000, 7, 16), (4096, 64, 8), (1000, 3, 64),
+                                       (151, 5, 4), (300, 1, 16), (64, 32, None)])
+def test_chunked_top_k_equals_lax_top_k(n, k, chunk):
+  """Same values and indices as lax.top_k, ties included (to the lower index), any batch dims."""
+  rng = np.random.default_rng(n + k)
+  x = rng.standard_normal((2, 3, n)).astype(np.float32)
+  x[0] = np.round(x[0] * 2) / 2  # heavy ties
+  x[1, 0, : n // 2] = -np.inf  # -inf entries next to the -inf padding
+  x[1, 1] = 0.0  # a constant row: the answer is the k lowest indices
+  vals, idx = tree_lib.top_k(jnp.asarray(x), k, chunk)
+  ref_vals, ref_idx = jax.lax.top_k(jnp.asarray(x), k)
+  np.testing.assert_array_equal(np.asarray(vals), np.asarray(ref_vals))
+  np.testing.assert_array_equal(np.asarray(idx), np.asarray(ref_idx))
