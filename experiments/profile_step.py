@@ -81,7 +81,9 @@ def kernel_events(trace: dict) -> list[tuple[str, float]]:
 
 
 def _leaves(events):
-  """The events that contain no other event of the same (pid, tid)."""
+  """The events that contain no other event of the same (pid, tid). Consecutive kernels of one
+  stream may overlap a little (programmatic dependent launch), so only an event that holds a
+  later one entirely counts as an enclosing one."""
   out = []
   by_thread = collections.defaultdict(list)
   for e in events:
@@ -89,8 +91,11 @@ def _leaves(events):
   for evs in by_thread.values():
     evs.sort(key=lambda e: (e["ts"], -e["dur"]))
     for i, e in enumerate(evs):
-      nxt = evs[i + 1] if i + 1 < len(evs) else None
-      if nxt is None or nxt["ts"] >= e["ts"] + e["dur"]:
+      end, j, encloses = e["ts"] + e["dur"], i + 1, False
+      while j < len(evs) and evs[j]["ts"] < end and not encloses:
+        encloses = evs[j]["ts"] + evs[j]["dur"] <= end
+        j += 1
+      if not encloses:
         out.append(e)
   return out
 

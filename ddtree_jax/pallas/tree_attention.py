@@ -174,15 +174,19 @@ def default_config(batch, t_len, hq, hkv, cap, head_dim, *, sm_count=None):
   block_n = min(block_k, max(16, _next_pow2(t_len)))
   row_blocks = pl.cdiv(t_len, block_t)
   base = row_blocks * batch * hkv
-  # Split-K factor, fitted to H200 measurements (experiments/bench_attention.py). Few query rows
-  # (decode, small trees: memory-bound) want many programs (~8 per SM) but chunks of at least
-  # 32 * T * G keys, so the float32 partials and the merge stay small; more rows want about one
-  # wave of programs. A chunk always holds at least 8 blocks.
+  # Split-K factor, fitted to H200 measurements. Few query rows (decode, drafter block: memory-
+  # bound; experiments/bench_attention.py) want many programs (~8 per SM) but chunks of at least
+  # 32 * T * G keys and 8 blocks, so the float32 partials and the merge stay small.
+  # Trees (experiments/sweep_attention.py, 2026-11-30) never want one split (the last split also
+  # walks the tree's own keys; two balance that: 1.1-2.1x faster); two once a split has >= 128
+  # programs; fewer programs want about 1.2 waves or, in long caches, chunks of about 1024 keys,
+  # whichever splits more, but chunks of at least 256 keys.
   if t_len * g <= 64:
-    min_chunk, target = max(8 * block_k, 32 * t_len * g), 8 * sm
+    num_splits = max(1, min(pl.cdiv(8 * sm, base), cap // max(8 * block_k, 32 * t_len * g), 64))
+  elif base >= 128:
+    num_splits = 2
   else:
-    min_chunk, target = max(8 * block_k, 4 * t_len * g), sm
-  num_splits = max(1, min(pl.cdiv(target, base), cap // min_chunk, 64))
+    num_splits = max(2, min(max(pl.cdiv(6 * sm // 5, base), cap // 1024), cap // 256, 64))
   num_warps = 4 if rows <= 64 else 8
   num_stages = 2 if block_k * head_dim >= 128 * 128 else 3
   return block_t, block_k, block_n, num_splits, num_warps, num_stages
