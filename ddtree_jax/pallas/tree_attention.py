@@ -180,13 +180,14 @@ def default_config(batch, t_len, hq, hkv, cap, head_dim, *, sm_count=None):
   # Trees (experiments/sweep_attention.py, 2026-11-30) never want one split (the last split also
   # walks the tree's own keys; two balance that: 1.1-2.1x faster); two once a split has >= 128
   # programs; fewer programs want about 1.2 waves or, in long caches, chunks of about 1024 keys,
-  # whichever splits more, but chunks of at least 256 keys.
+  # whichever splits more, but chunks of at least 512 keys (a second sweep: at a 1K prefix
+  # 4-5 splits were 1.2x slower than 2; cells within 20 % are run-to-run noise there).
   if t_len * g <= 64:
     num_splits = max(1, min(pl.cdiv(8 * sm, base), cap // max(8 * block_k, 32 * t_len * g), 64))
   elif base >= 128:
     num_splits = 2
   else:
-    num_splits = max(2, min(max(pl.cdiv(6 * sm // 5, base), cap // 1024), cap // 256, 64))
+    num_splits = max(2, min(max(pl.cdiv(6 * sm // 5, base), cap // 1024), cap // 512, 64))
   num_warps = 4 if rows <= 64 else 8
   num_stages = 2 if block_k * head_dim >= 128 * 128 else 3
   return block_t, block_k, block_n, num_splits, num_warps, num_stages
