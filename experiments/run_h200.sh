@@ -4,11 +4,14 @@
 #   experiments/run_h200.sh compile OUT  # serial compile seconds of every program (loop + stages)
 #   experiments/run_h200.sh step OUT     # batch 1: AR vs floor, chain / DDTree by budget, stages, host
 #   experiments/run_h200.sh step8 OUT    # the same at batch 8
+#   experiments/run_h200.sh spec OUT     # batch 1 and 8: AR + chain / DDTree 1..256 (+ B=32 stages)
 #   experiments/run_h200.sh profile OUT  # GPU kernels per step (profile_step.py); profile_tp: tp=2
 #   experiments/run_h200.sh kernel OUT   # the attention kernel grid (batch 1, then 8)
+#   experiments/run_h200.sh sweep OUT    # attention launch parameters vs the default rule
 #   experiments/run_h200.sh tp OUT       # tp=1 vs tp=2 (needs 2 GPUs); bf16 divergences at tp=2
-#   experiments/run_h200.sh matrix OUT   # bench_matrix: bundled pair (float32), T=0 vs 1
-#   experiments/run_h200.sh m8b OUT      # bench_matrix: Qwen3-8B shape
+#   BATCHES=16 experiments/run_h200.sh matrix OUT  # bench_matrix: bundled pair (float32)
+#   experiments/run_h200.sh temperature OUT        # bundled pair, T=0 vs T=1, DDTree B=32
+#   experiments/run_h200.sh m8b OUT      # bench_matrix: Qwen3-8B shape (~360 s)
 #
 # bench_matrix compiles each batch's programs 8 at a time (configs/bench_matrix.py
 # compile_threads); bench_step compiles serially. experiments/compile_offline.py checks compile
@@ -41,15 +44,24 @@ case $what in
       --alt_runs=chain,32 --stage_runs=chain,32,256 --json_out="$out/step_b8.jsonl" \
       >"$out/step_b8.log" 2>&1
     ;;
-  profile)  # kernels per step: AR / chain / DDTree 32, 64 at batch 1, DDTree 32 at batch 8
-    timeout 330 $py experiments/profile_step.py --runs=ar,chain,32,64 --batch=1 \
-      --attention=pallas --steps=16 >"$out/profile.log" 2>&1
-    timeout 200 $py experiments/profile_step.py --runs=32 --batch=8 --attention=pallas \
-      --steps=16 >>"$out/profile.log" 2>&1
+  spec)  # ~330 s: compiled 4 at a time (the step timings are unaffected)
+    timeout 400 $step --sections=copy,ar,spec --batches=1,8 --prefixes=1024 --spec_prefixes=1024 \
+      --attention=pallas --budgets=chain,1,4,16,32,64,128,256 --stage_runs=32 --compile_threads=8 \
+      --json_out="$out/step.jsonl" >"$out/step.log" 2>&1
+    ;;
+  profile)  # kernels per step (CUDA graphs off so that every kernel is traced): ~150 s
+    timeout 200 $py experiments/profile_step.py --runs=ar,chain,32,64 --batch=1 \
+      --attention=pallas --steps=16 --top=40 >"$out/profile.log" 2>&1
+    timeout 120 $py experiments/profile_step.py --runs=32 --batch=8 --attention=pallas \
+      --steps=16 --top=40 >>"$out/profile.log" 2>&1
     ;;
   profile_tp)  # needs 2 GPUs: the same at tp=2 (the batch-1 AR step is slower than at tp=1)
     timeout 400 $py experiments/profile_step.py --runs=ar,32 --batch=1 --mesh_tp=2 \
       --attention=pallas --steps=16 >"$out/profile_tp.log" 2>&1
+    ;;
+  sweep)  # ~110 s
+    timeout 300 $py experiments/sweep_attention.py --json_out="$out/sweep.jsonl" \
+      >"$out/sweep.log" 2>&1
     ;;
   kernel)
     timeout 280 $py experiments/bench_attention.py --batches 1 >"$out/attention.log" 2>&1
@@ -68,26 +80,31 @@ case $what in
     tar -C "$out" -czf "$out/matrix.tgz" tp2_divergence 2>/dev/null && rm -r "$out/tp2_divergence"
     ;;
   matrix)
-    # the bundled pair in float32 at full matmul precision: any divergence from AR is a bug
-    JAX_DEFAULT_MATMUL_PRECISION=highest timeout 330 $py experiments/bench_matrix.py \
-      --config=configs/bench_matrix.py:default --config.profile= --config.progress=False \
-      --config.out_dir="$out/mdef" >"$out/matrix.log" 2>&1
+    # the bundled pair in float32 at full matmul precision: any divergence from AR is a bug.
+    # Compile-bound: ~200 s per batch (25-73 s per program, 8 threads) on the H200 host
+    JAX_DEFAULT_MATMUL_PRECISION=highest timeout 560 $py experiments/bench_matrix.py \
+      --config=configs/bench_matrix.py:default --config.batches="${BATCHES:-1,4,16}" \
+      --config.profile= --config.progress=False --config.out_dir="$out/mdef" >"$out/matrix.log" 2>&1
+    tar -C "$out" -czf "$out/matrix.tgz" mdef 2>/dev/null && rm -r "$out/mdef"
+    ;;
+  temperature)  # ~150 s
     for t in 0.0 1.0; do
       JAX_DEFAULT_MATMUL_PRECISION=highest timeout 100 $py experiments/bench_matrix.py \
         --config=configs/bench_matrix.py:default --config.temperature=$t --config.budgets=32 \
         --config.batches=4 --config.max_new_tokens=96 --config.profile= --config.progress=False \
-        --config.out_dir="$out/temp_$t" >>"$out/matrix.log" 2>&1
+        --config.out_dir="$out/temp_$t" >>"$out/temperature.log" 2>&1
     done
-    tar -C "$out" -czf "$out/matrix.tgz" mdef temp_0.0 temp_1.0 2>/dev/null
-    rm -rf "$out"/mdef "$out"/temp_*
+    tar -C "$out" -czf "$out/temperature.tgz" temp_0.0 temp_1.0 2>/dev/null
+    rm -rf "$out"/temp_*
     ;;
   m8b)
     # Qwen3-8B shape (random weights: step times, tau ~1); rows.jsonl keeps the cells of a cut run
     timeout 560 $py experiments/bench_matrix.py --config=configs/bench_matrix.py \
-      --config.max_new_tokens=64 --config.repeats=2 --config.profile= --config.progress=False \
+      --config.max_new_tokens=48 --config.repeats=2 --config.profile= --config.progress=False \
       --config.out_dir="$out/m8b" >"$out/m8b.log" 2>&1
     tar -C "$out" -czf "$out/m8b.tgz" m8b 2>/dev/null && rm -r "$out/m8b"
     ;;
-  *) echo "usage: $0 compile|step|step8|profile|profile_tp|kernel|tp|matrix|m8b OUT" >&2; exit 2 ;;
+  *) echo "usage: $0 compile|step|step8|spec|profile|profile_tp|kernel|sweep|tp|matrix|temperature|m8b OUT" >&2
+     exit 2 ;;
 esac
 ls -la "$out"

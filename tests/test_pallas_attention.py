@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 
@@ -232,3 +234,33 @@ def test_lowers_for_h200_other_shapes(b, t, hq, hkv, s, d, splits):
   calls = _triton_custom_calls(_lower_for_h200(b, t, hq, hkv, s, d, num_splits=splits))
   assert len(calls) == 1
   _verify_triton_ir(calls[0])
+
+
+@pytest.mark.parametrize("b,t,cap,splits", [
+    (1, 1, 1057, 1),      # AR decode at a short capacity: the decode rule (unchanged)
+    (1, 17, 1057, 2),     # chain verify
+    (1, 65, 1280, 2),     # B=64 at 1K: was 1 split, 2.1x slower on the H200
+    (1, 129, 1280, 2),
+    (1, 33, 8448, 8),     # long cache, few programs: chunks of ~1024 keys
+    (1, 65, 8448, 8),
+    (8, 65, 8448, 2),     # >= 128 programs per split
+    (8, 33, 8448, 2),
+])
+def test_split_rule_matches_the_h200_sweep(b, t, cap, splits):
+  """Qwen3-8B heads (32 / 8, D=128) on 132 SMs: the split counts the sweep of 2026-11-30 chose
+  (WORKSPACE.md, fourth session); trees never get one split."""
+  rule = sys.modules["ddtree_jax.pallas.tree_attention"].default_config  # (the module)
+  assert rule(b, t, 32, 8, cap, 128, sm_count=132)[3] == splits
+
+
+def test_sweep_script_smoke(tmp_path):
+  import json, os
+  sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "experiments"))
+  import sweep_attention
+  out = tmp_path / "sweep.jsonl"
+  sweep_attention.main(["--smoke", f"--json_out={out}"])
+  rows = [json.loads(line) for line in out.read_text().splitlines()]
+  assert [r["tokens"] for r in rows] == [4, 9]
+  for r in rows:
+    assert "{},{}".format(*r["default"]) in r["times_us"] and len(r["times_us"]) >= 2
+    assert all(v > 0 for v in r["times_us"].values())
