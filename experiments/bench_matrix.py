@@ -197,8 +197,10 @@ def load_rows(path) -> tuple[list[dict], dict | None]:
 def _meta(cfg, target, drafter, seconds) -> dict:
   import jax  # pylint: disable=import-outside-toplevel
   try:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=workflow.REPO,
-                            capture_output=True, text=True, timeout=10).stdout.strip()
+    # "-dirty" when the tree differs from HEAD (e.g. a copy whose git metadata is older)
+    commit = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"],
+                            cwd=workflow.REPO, capture_output=True, text=True,
+                            timeout=10).stdout.strip()
   except (OSError, subprocess.SubprocessError):
     commit = ""
   dev = jax.devices()[0]

@@ -59,9 +59,11 @@ case $what in
     timeout 400 $py experiments/profile_step.py --runs=ar,32 --batch=1 --mesh_tp=2 \
       --attention=pallas --steps=16 >"$out/profile_tp.log" 2>&1
     ;;
-  sweep)  # ~110 s
+  sweep)  # ~110 s for the trees, then the decode / drafter-block cells (T = 1, 16)
     timeout 300 $py experiments/sweep_attention.py --json_out="$out/sweep.jsonl" \
       >"$out/sweep.log" 2>&1
+    timeout 200 $py experiments/sweep_attention.py --tokens=1,16 --block_rows=16,64 \
+      --splits=1,2,4,8,16,32,64 --json_out="$out/sweep.jsonl" >>"$out/sweep.log" 2>&1
     ;;
   kernel)
     timeout 280 $py experiments/bench_attention.py --batches 1 >"$out/attention.log" 2>&1
