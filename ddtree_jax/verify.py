@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from ddtree_jax import model
+from ddtree_jax.tree import top_k as exact_top_k
 
 
 def verify_tree(params, cfg, cache, tokens, depths, visibility, tap_layers, attn_fn):
@@ -55,7 +56,7 @@ def filter_logits(logits, temperature: float, top_k: int | None = None, top_p: f
   (smallest set of most likely tokens whose mass reaches top_p); removed tokens get -inf."""
   logits = logits.astype(jnp.float32) / temperature
   if top_k is not None and top_k < logits.shape[-1]:
-    kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
+    kth = exact_top_k(logits, top_k)[0][..., -1:]  # lax.top_k's values, without a vocab sort
     logits = jnp.where(logits >= kth, logits, -jnp.inf)
   if top_p is not None and top_p < 1.0:
     order = jnp.argsort(-logits, axis=-1)
