@@ -19,7 +19,9 @@ by one, so this script turns command buffers off (--xla_gpu_enable_command_buffe
 import os
 import sys
 
-if "--command_buffers" not in sys.argv:  # before jax initialises its backend
+_KEEP_GRAPHS = any(a in ("--command_buffers", "--command_buffers=true", "--command_buffers=True",
+                         "--command_buffers=1") for a in sys.argv)
+if not _KEEP_GRAPHS:  # before jax initialises its backend (FLAGS are parsed later)
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                              + " --xla_gpu_enable_command_buffer=").strip()
 
@@ -135,7 +137,7 @@ def main(_):
   steps, b, prefix = FLAGS.steps, FLAGS.batch, FLAGS.prefix
   root = FLAGS.trace_dir or tempfile.mkdtemp(prefix="ddtree_trace_")
   print(f"devices: {jax.devices()}  attention {attention}  batch {b}  prefix {prefix}  "
-        f"command buffers {'on' if FLAGS.command_buffers else 'off'}  traces: {root}", flush=True)
+        f"command buffers {'on' if _KEEP_GRAPHS else 'off'}  traces: {root}", flush=True)
   for run in FLAGS.runs.split(","):
     method, budget = (run, 0) if run in ("ar", "chain") else ("ddtree", int(run))
     d = (None, None) if method == "ar" else (dp, dcfg)
