@@ -105,6 +105,11 @@ def apply_rope(x, cos, sin):
   return x * cos[:, :, None] + rot * sin[:, :, None]
 
 
+# k/v and gate/up are one einsum each over their stacked weight, with the stacked axis after the
+# tokens ("btskd", "btsi"): with it first ("sbtkd", "sbti") XLA chose transposed GEMM outputs and
+# the H200 layer matmuls at 65 / 129 rows took 173 / 287 us against 141 / 164 us
+# (experiments/bench_gemm.py, WORKSPACE.md 2026-11-30). Slicing the stacked weight instead copies
+# it every step (2x slower).
 def project_qkv(layer: LayerParams, cfg: ModelConfig, h, cos, sin):
   """Normed input h [B, T, H] -> q [B, T, N, D], k, v [B, T, K, D] (q/k normed and RoPE'd)."""
   q = jnp.einsum("bth,hnd->btnd", h, layer.wq)
@@ -116,8 +121,8 @@ def project_qkv(layer: LayerParams, cfg: ModelConfig, h, cos, sin):
 
 def project_kv(layer: LayerParams, cfg: ModelConfig, h, cos, sin):
   """h [B, T, H] -> k, v [B, T, K, D]; k normed (Qwen3) and RoPE'd."""
-  kv = jnp.einsum("bth,hskd->sbtkd", h, layer.wkv)
-  k, v = kv[0], kv[1]
+  kv = jnp.einsum("bth,hskd->btskd", h, layer.wkv)
+  k, v = kv[:, :, 0], kv[:, :, 1]
   if layer.k_norm is not None:
     k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
   return apply_rope(k, cos, sin), v
@@ -128,13 +133,18 @@ def attention_block(layer, cfg, x, cos, sin, k_cache, v_cache, prefix_len, new_m
   h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
   q, k, v = project_qkv(layer, cfg, h, cos, sin)
   o = attn_fn(q, k_cache, v_cache, prefix_len, k, v, new_mask, scale=cfg.head_dim ** -0.5)
-  return x + jnp.einsum("btnd,ndh->bth", o, layer.wo), k, v
+  return x + output_projection(layer, o), k, v
+
+
+def output_projection(layer: LayerParams, o):
+  """Attention output o [B, T, N, D] -> [B, T, H]."""
+  return jnp.einsum("btnd,ndh->bth", o, layer.wo)
 
 
 def mlp_block(layer, cfg, x):
   h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
-  gu = jnp.einsum("bth,hsi->sbti", h, layer.w_gate_up)
-  return x + jnp.einsum("bti,ih->bth", jax.nn.silu(gu[0]) * gu[1], layer.w_down)
+  gu = jnp.einsum("bth,hsi->btsi", h, layer.w_gate_up)
+  return x + jnp.einsum("bti,ih->bth", jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1], layer.w_down)
 
 
 def forward(params: Params, cfg: ModelConfig, tokens, positions, cache: KVCache, new_mask,

@@ -8,6 +8,8 @@
 #   experiments/run_h200.sh profile OUT  # GPU kernels per step (profile_step.py); profile_tp: tp=2
 #   experiments/run_h200.sh kernel OUT   # the attention kernel grid (batch 1, then 8)
 #   experiments/run_h200.sh sweep OUT    # attention launch parameters vs the default rule
+#   experiments/run_h200.sh gemm OUT     # a layer's GEMMs vs rows M, as model.py writes them
+#   experiments/run_h200.sh quick OUT    # batch 1 and 8: AR, chain, DDTree 32/64/128 (~150 s)
 #   experiments/run_h200.sh tp OUT       # tp=1 vs tp=2 (needs 2 GPUs); bf16 divergences at tp=2
 #   BATCHES=16 experiments/run_h200.sh matrix OUT  # bench_matrix: bundled pair (float32)
 #   experiments/run_h200.sh temperature OUT        # bundled pair, T=0 vs T=1, DDTree B=32
@@ -65,6 +67,15 @@ case $what in
     timeout 200 $py experiments/sweep_attention.py --tokens=1,16 --block_rows=16,64 \
       --splits=1,2,4,8,16,32,64 --json_out="$out/sweep.jsonl" >>"$out/sweep.log" 2>&1
     ;;
+  gemm)  # ~60 s: model.py's einsums vs bare 2-D matmuls vs the old stacked-first layout
+    timeout 150 $py experiments/bench_gemm.py --rows=1,17,33,65,129 --json_out="$out/gemm.jsonl" \
+      >"$out/gemm.log" 2>&1
+    ;;
+  quick)
+    timeout 250 $step --repeats=5 --sections=ar,spec --batches=1,8 --prefixes=1024 \
+      --spec_prefixes=1024 --attention=pallas --nostages --compile_threads=8 \
+      --budgets=chain,32,64,128 --json_out="$out/step.jsonl" >"$out/step.log" 2>&1
+    ;;
   kernel)
     timeout 280 $py experiments/bench_attention.py --batches 1 >"$out/attention.log" 2>&1
     timeout 280 $py experiments/bench_attention.py --batches 8 >>"$out/attention.log" 2>&1
@@ -106,7 +117,7 @@ case $what in
       --config.out_dir="$out/m8b" >"$out/m8b.log" 2>&1
     tar -C "$out" -czf "$out/m8b.tgz" m8b 2>/dev/null && rm -r "$out/m8b"
     ;;
-  *) echo "usage: $0 compile|step|step8|spec|profile|profile_tp|kernel|sweep|tp|matrix|temperature|m8b OUT" >&2
+  *) echo "usage: $0 compile|step|step8|spec|quick|profile|profile_tp|kernel|sweep|gemm|tp|matrix|temperature|m8b OUT" >&2
      exit 2 ;;
 esac
 ls -la "$out"

@@ -86,3 +86,28 @@ def test_config_parsing_both_rope_formats():
   assert dict(llama.config.rope_scaling)["factor"] == 8.0 and not llama.config.qk_norm
   assert top.config.eos_token_ids == (1,)
   assert top.tokenizer is not None
+
+
+def test_gemm_bench_forms_compute_the_same_layer(tmp_path):
+  """experiments/bench_gemm.py times model.py's projections against the layout model.py used
+  before (stacked k/v, gate/up axis first): both must be the same layer, or the table is moot."""
+  import json, os, sys
+  sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "experiments"))
+  import bench_gemm
+  rng = np.random.default_rng(0)
+  d, nq, nkv, dh, f, t = 32, 4, 2, 8, 48, 5
+  w = lambda *s: jnp.asarray(rng.normal(size=s) * s[0] ** -0.5, jnp.float32)
+  layer = model.LayerParams(input_norm=w(d) + 1, wq=w(d, nq, dh), wkv=w(d, 2, nkv, dh),
+                        wo=w(nq, dh, d), q_norm=w(dh) + 1, k_norm=w(dh) + 1,
+                        post_norm=w(d) + 1, w_gate_up=w(d, 2, f), w_down=w(f, d))
+  x = w(1, t, d)
+  cos, sin = model.rope_tables(bench_gemm._RopeCfg(dh), jnp.arange(t)[None], jnp.float32)
+  new = bench_gemm.model_layer_step(x, layer, cos, sin, form="model")
+  old = bench_gemm.model_layer_step(x, layer, cos, sin, form="sbt")
+  np.testing.assert_allclose(np.asarray(new), np.asarray(old), rtol=1e-5, atol=1e-5)
+  out = tmp_path / "gemm.jsonl"
+  bench_gemm.main(["--smoke", f"--json_out={out}"])
+  rows = [json.loads(line) for line in out.read_text().splitlines()]
+  want = {(m, form) for m in (1, 5) for form in ("flat", "model", "sbt")}
+  assert {(r["rows"], r["form"]) for r in rows} == want
+  assert all(r["us"] > 0 for r in rows)

@@ -237,7 +237,11 @@ def test_lowers_for_h200_other_shapes(b, t, hq, hkv, s, d, splits):
 
 
 @pytest.mark.parametrize("b,t,cap,splits", [
-    (1, 1, 1057, 1),      # AR decode at a short capacity: the decode rule (unchanged)
+    (1, 1, 1057, 9),      # AR decode at a 1K cache: chunks of one 128-key block (was 1 split, 2x slower)
+    (1, 16, 1280, 17),    # drafter block
+    (8, 1, 1280, 3),
+    (8, 16, 8448, 3),
+    (64, 1, 1280, 1),
     (1, 17, 1057, 2),     # chain verify
     (1, 65, 1280, 2),     # B=64 at 1K: was 1 split, 2.1x slower on the H200
     (1, 129, 1280, 2),

@@ -174,16 +174,17 @@ def default_config(batch, t_len, hq, hkv, cap, head_dim, *, sm_count=None):
   block_n = min(block_k, max(16, _next_pow2(t_len)))
   row_blocks = pl.cdiv(t_len, block_t)
   base = row_blocks * batch * hkv
-  # Split-K factor, fitted to H200 measurements. Few query rows (decode, drafter block: memory-
-  # bound; experiments/bench_attention.py) want many programs (~8 per SM) but chunks of at least
-  # 32 * T * G keys and 8 blocks, so the float32 partials and the merge stay small.
+  # Split-K factor, fitted to H200 measurements (experiments/sweep_attention.py). Few query rows
+  # (decode, drafter block: memory-bound) want about one wave of programs, down to chunks of one
+  # key block: at a 1K prefix the old minimum of 8 blocks per chunk (1 split at batch 1) was
+  # 1.3-2.1x slower than the best setting.
   # Trees (experiments/sweep_attention.py, 2026-11-30) never want one split (the last split also
   # walks the tree's own keys; two balance that: 1.1-2.1x faster); two once a split has >= 128
   # programs; fewer programs want about 1.2 waves or, in long caches, chunks of about 1024 keys,
   # whichever splits more, but chunks of at least 512 keys (a second sweep: at a 1K prefix
   # 4-5 splits were 1.2x slower than 2; cells within 20 % are run-to-run noise there).
   if t_len * g <= 64:
-    num_splits = max(1, min(pl.cdiv(8 * sm, base), cap // max(8 * block_k, 32 * t_len * g), 64))
+    num_splits = max(1, min(pl.cdiv(sm, base), pl.cdiv(cap, block_k), 64))
   elif base >= 128:
     num_splits = 2
   else:
