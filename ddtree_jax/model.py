@@ -107,7 +107,7 @@ def apply_rope(x, cos, sin):
 
 # k/v and gate/up are one einsum each over their stacked weight, with the stacked axis after the
 # tokens ("btskd", "btsi"): with it first ("sbtkd", "sbti") XLA chose transposed GEMM outputs and
-# the H200 layer matmuls at 65 / 129 rows took 173 / 287 us against 141 / 164 us
+# the H200 layer matmuls at 65 / 129 rows took 174 / 290 us against 142 / 162 us
 # (experiments/bench_gemm.py, WORKSPACE.md 2026-11-30). Slicing the stacked weight instead copies
 # it every step (2x slower).
 def project_qkv(layer: LayerParams, cfg: ModelConfig, h, cos, sin):

@@ -98,8 +98,8 @@ def test_gemm_bench_forms_compute_the_same_layer(tmp_path):
   d, nq, nkv, dh, f, t = 32, 4, 2, 8, 48, 5
   w = lambda *s: jnp.asarray(rng.normal(size=s) * s[0] ** -0.5, jnp.float32)
   layer = model.LayerParams(input_norm=w(d) + 1, wq=w(d, nq, dh), wkv=w(d, 2, nkv, dh),
-                        wo=w(nq, dh, d), q_norm=w(dh) + 1, k_norm=w(dh) + 1,
-                        post_norm=w(d) + 1, w_gate_up=w(d, 2, f), w_down=w(f, d))
+                            wo=w(nq, dh, d), q_norm=w(dh) + 1, k_norm=w(dh) + 1,
+                            post_norm=w(d) + 1, w_gate_up=w(d, 2, f), w_down=w(f, d))
   x = w(1, t, d)
   cos, sin = model.rope_tables(bench_gemm._RopeCfg(dh), jnp.arange(t)[None], jnp.float32)
   new = bench_gemm.model_layer_step(x, layer, cos, sin, form="model")
