@@ -26,10 +26,10 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import bench_attention as ba
 from ddtree_jax import model
+from ddtree_jax.config import ModelConfig
 
 
 def parse_args(argv):
@@ -51,16 +51,11 @@ def parse_args(argv):
   return args
 
 
-class _RopeCfg:  # rope_tables' one input (Qwen3: theta 1e6)
-  def __init__(self, head_dim):
-    self.head_dim = head_dim
-
-  def inv_freq(self):
-    return 1.0 / (1e6 ** (np.arange(0, self.head_dim, 2) / self.head_dim))
-
-
-class _NormCfg:  # the one ModelConfig field the projections read
-  rms_norm_eps = 1e-6
+def layer_config(hidden, intermediate, heads, kv_heads, head_dim):
+  """The ModelConfig of one Qwen3 layer (what the projections, norms and RoPE read)."""
+  return ModelConfig("qwen3", vocab_size=1, hidden_size=hidden, intermediate_size=intermediate,
+                     num_layers=1, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                     rope_theta=1e6)
 
 
 def layer_step(x, wqkv, wo, wgu, wd):
@@ -72,15 +67,15 @@ def layer_step(x, wqkv, wo, wgu, wd):
   return h + (jax.nn.silu(g[:, :f]) * g[:, f:]) @ wd
 
 
-def model_layer_step(x, layer, cos, sin, *, form):
+def model_layer_step(x, layer, cos, sin, *, cfg, form):
   """[1, M, H] -> [1, M, H]: a target layer with attention replaced by o = q + k + v (per group).
 
   form "model": model.py's functions; "sbt": the einsums model.py used before 2026-11-30, with
   the stacked k/v and gate/up axis first."""
-  eps = _NormCfg.rms_norm_eps
+  eps = cfg.rms_norm_eps
   h = model.rms_norm(x, layer.input_norm, eps)
   if form == "model":
-    q, k, v = model.project_qkv(layer, _NormCfg, h, cos, sin)
+    q, k, v = model.project_qkv(layer, cfg, h, cos, sin)
   else:
     q = model.rms_norm(jnp.einsum("bth,hnd->btnd", h, layer.wq), layer.q_norm, eps)
     kv = jnp.einsum("bth,hskd->sbtkd", h, layer.wkv)
@@ -88,7 +83,7 @@ def model_layer_step(x, layer, cos, sin, *, form):
     k = model.apply_rope(model.rms_norm(k, layer.k_norm, eps), cos, sin)
   x = x + model.output_projection(layer, q + jnp.repeat(k + v, q.shape[2] // k.shape[2], axis=2))
   if form == "model":
-    return model.mlp_block(layer, _NormCfg, x)
+    return model.mlp_block(layer, cfg, x)
   gu = jnp.einsum("bth,hsi->sbti", model.rms_norm(x, layer.post_norm, eps), layer.w_gate_up)
   return x + jnp.einsum("bti,ih->bth", jax.nn.silu(gu[0]) * gu[1], layer.w_down)
 
@@ -108,10 +103,11 @@ def main(argv=None):
       wkv=flat[0][:, d:].reshape(d, 2, nkv, dh), wo=flat[1].reshape(nq, dh, d), q_norm=ones(dh),
       k_norm=ones(dh), post_norm=ones(d), w_gate_up=flat[2].reshape(d, 2, f), w_down=flat[3])
   forms = {"flat": lambda m: (layer_step, flat, lambda x: x)}
+  cfg = layer_config(d, f, nq, nkv, dh)
   for name in ("model", "sbt"):
     def make(m, name=name):
-      cs = model.rope_tables(_RopeCfg(dh), jnp.arange(m)[None], jnp.bfloat16)
-      return (lambda x, lp, *c: model_layer_step(x, lp, *c, form=name), (layer, *cs),
+      cs = model.rope_tables(cfg, jnp.arange(m)[None], jnp.bfloat16)
+      return (lambda x, lp, *c: model_layer_step(x, lp, *c, cfg=cfg, form=name), (layer, *cs),
               lambda x: x[None])
     forms[name] = make
   weight_bytes = sum(w.nbytes for w in flat)

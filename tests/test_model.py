@@ -101,9 +101,10 @@ def test_gemm_bench_forms_compute_the_same_layer(tmp_path):
                             wo=w(nq, dh, d), q_norm=w(dh) + 1, k_norm=w(dh) + 1,
                             post_norm=w(d) + 1, w_gate_up=w(d, 2, f), w_down=w(f, d))
   x = w(1, t, d)
-  cos, sin = model.rope_tables(bench_gemm._RopeCfg(dh), jnp.arange(t)[None], jnp.float32)
-  new = bench_gemm.model_layer_step(x, layer, cos, sin, form="model")
-  old = bench_gemm.model_layer_step(x, layer, cos, sin, form="sbt")
+  cfg = bench_gemm.layer_config(d, f, nq, nkv, dh)
+  cos, sin = model.rope_tables(cfg, jnp.arange(t)[None], jnp.float32)
+  new = bench_gemm.model_layer_step(x, layer, cos, sin, cfg=cfg, form="model")
+  old = bench_gemm.model_layer_step(x, layer, cos, sin, cfg=cfg, form="sbt")
   np.testing.assert_allclose(np.asarray(new), np.asarray(old), rtol=1e-5, atol=1e-5)
   out = tmp_path / "gemm.jsonl"
   bench_gemm.main(["--smoke", f"--json_out={out}"])
