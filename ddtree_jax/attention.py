@@ -27,12 +27,22 @@ def einsum_f32(spec, a, b):
   return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
 
 
-def attend_xla(q, k_cache, v_cache, prefix_len, k_new, v_new, new_mask, *, scale):
+def cache_layer(k_cache, v_cache, layer):
+  """[B, Hkv, S, D] caches of one layer: as given (layer None) or layer `layer` of [L, B, ...]."""
+  if layer is None:
+    return k_cache, v_cache
+  if k_cache.ndim != 5:
+    raise ValueError(f"layer={layer} needs [L, B, Hkv, S, D] caches, got {k_cache.shape}")
+  return k_cache[layer], v_cache[layer]
+
+
+def attend_xla(q, k_cache, v_cache, prefix_len, k_new, v_new, new_mask, *, scale, layer=None):
   """Plain-XLA masked attention, the reference for the Pallas kernel.
 
   Args:
     q: [B, T, Hq, D] queries (RoPE applied).
-    k_cache, v_cache: [B, Hkv, S, D] cached prefix keys/values (S = static capacity).
+    k_cache, v_cache: [B, Hkv, S, D] cached prefix keys/values (S = static capacity), or every
+      layer's [L, B, Hkv, S, D] with `layer` (static int) the one to read.
     prefix_len: [B] int32, number of valid prefix rows per sequence.
     k_new, v_new: [B, T, Hkv, D] keys/values of the new tokens.
     new_mask: [B, T, T] bool, new_mask[b, i, j]: query i may see new key j.
@@ -40,6 +50,7 @@ def attend_xla(q, k_cache, v_cache, prefix_len, k_new, v_new, new_mask, *, scale
   Returns:
     [B, T, Hq, D] in q's dtype. Softmax statistics are float32.
   """
+  k_cache, v_cache = cache_layer(k_cache, v_cache, layer)
   b, t, hq, d = q.shape
   hkv, s = k_cache.shape[1], k_cache.shape[2]
   g = hq // hkv

@@ -81,8 +81,8 @@ def draft_logits(params: DrafterParams, cfg: DrafterConfig, target_params: model
   cos, sin = model.rope_tables(lc, positions, x.dtype)
   full = jnp.ones((b, bs, bs), bool)
   for i, layer in enumerate(params.layers):
-    x, _, _ = model.attention_block(layer, lc, x, cos, sin, cache.k[i], cache.v[i], cache.lens,
-                                    full, attn_fn)
+    x, _, _ = model.attention_block(layer, lc, x, cos, sin, cache.k, cache.v, cache.lens,
+                                    full, attn_fn, cache_layer=i)
     x = model.mlp_block(layer, lc, x)
   hidden = model.rms_norm(x[:, 1:], params.final_norm, lc.rms_norm_eps)
   return model.lm_head(target_params, hidden.astype(target_params.embed.dtype))

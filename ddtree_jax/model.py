@@ -45,21 +45,25 @@ class Params:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-  """Per-layer K/V of committed tokens; rows [0, lens[b]) of sequence b are valid."""
-  k: list[Array]           # per layer [B, K, S, D]
-  v: list[Array]           # per layer [B, K, S, D]
+  """K/V of committed tokens, every layer in one array; rows [0, lens[b]) of sequence b are valid.
+
+  One array per K and V (not one per layer), so a step commits all layers in one scatter: per
+  layer that was 2 scatter kernels of ~2.4 us each in an H200 DDTree step, 0.17 ms of 7.5
+  (WORKSPACE.md, 2026-11-30). Attention reads layer i straight from it (`layer=i`)."""
+  k: Array                 # [L, B, K, S, D]
+  v: Array                 # [L, B, K, S, D]
   lens: Array              # [B] int32
 
   @property
   def capacity(self) -> int:
-    return self.k[0].shape[2]
+    return self.k.shape[3]
 
 
 def init_cache(num_layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int,
                dtype) -> KVCache:
-  shape = (batch, kv_heads, capacity, head_dim)
-  zeros = lambda: [jnp.zeros(shape, dtype) for _ in range(num_layers)]
-  return KVCache(k=zeros(), v=zeros(), lens=jnp.zeros((batch,), jnp.int32))
+  shape = (num_layers, batch, kv_heads, capacity, head_dim)
+  return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+                 lens=jnp.zeros((batch,), jnp.int32))
 
 
 def commit(cache: KVCache, new_k, new_v, src, count) -> KVCache:
@@ -75,12 +79,11 @@ def commit(cache: KVCache, new_k, new_v, src, count) -> KVCache:
   bi = jnp.arange(b)[:, None]
 
   def put(buf, rows):
-    rows = jnp.take_along_axis(rows, src[:, :, None, None], axis=1)  # [B, R, K, D]
-    return buf.at[bi, :, dst].set(rows.astype(buf.dtype), mode="drop")
+    rows = jnp.stack([jnp.take_along_axis(x, src[:, :, None, None], axis=1) for x in rows],
+                     axis=2)  # [B, R, L, K, D]: the index dims (b, r) lead, as .at[] wants
+    return buf.at[:, bi, :, dst].set(rows.astype(buf.dtype), mode="drop")
 
-  return KVCache(k=[put(c, n) for c, n in zip(cache.k, new_k)],
-                 v=[put(c, n) for c, n in zip(cache.v, new_v)],
-                 lens=cache.lens + count)
+  return KVCache(k=put(cache.k, new_k), v=put(cache.v, new_v), lens=cache.lens + count)
 
 
 def rms_norm(x, weight, eps):
@@ -128,11 +131,15 @@ def project_kv(layer: LayerParams, cfg: ModelConfig, h, cos, sin):
   return apply_rope(k, cos, sin), v
 
 
-def attention_block(layer, cfg, x, cos, sin, k_cache, v_cache, prefix_len, new_mask, attn_fn):
-  """Residual attention sub-block; also returns the new rows' k, v [B, T, K, D]."""
+def attention_block(layer, cfg, x, cos, sin, k_cache, v_cache, prefix_len, new_mask, attn_fn,
+                    cache_layer=None):
+  """Residual attention sub-block; also returns the new rows' k, v [B, T, K, D].
+
+  k_cache/v_cache: [B, K, S, D], or a KVCache's [L, B, K, S, D] with cache_layer the layer."""
   h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
   q, k, v = project_qkv(layer, cfg, h, cos, sin)
-  o = attn_fn(q, k_cache, v_cache, prefix_len, k, v, new_mask, scale=cfg.head_dim ** -0.5)
+  kw = {} if cache_layer is None else {"layer": cache_layer}
+  o = attn_fn(q, k_cache, v_cache, prefix_len, k, v, new_mask, scale=cfg.head_dim ** -0.5, **kw)
   return x + output_projection(layer, o), k, v
 
 
@@ -162,8 +169,8 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, cache: KVCache,
   cos, sin = rope_tables(cfg, positions, x.dtype)
   new_k, new_v, taps = [], [], {}
   for i, layer in enumerate(params.layers):
-    x, k, v = attention_block(layer, cfg, x, cos, sin, cache.k[i], cache.v[i], cache.lens,
-                              new_mask, attn_fn)
+    x, k, v = attention_block(layer, cfg, x, cos, sin, cache.k, cache.v, cache.lens,
+                              new_mask, attn_fn, cache_layer=i)
     x = mlp_block(layer, cfg, x)
     new_k.append(k)
     new_v.append(v)

@@ -127,9 +127,9 @@ def _drafter_specs(params: DrafterParams, mesh, rules) -> DrafterParams:
 
 def _cache_specs(cache: KVCache, mesh, rules) -> KVCache:
   bt = _axis(mesh, rules, "batch", cache.lens.shape[0], "batch")
-  kv = _axis(mesh, rules, "kv_heads", cache.k[0].shape[1], "kv heads") if cache.k else None
-  spec = P(bt, kv, None, None)
-  return KVCache(k=[spec] * len(cache.k), v=[spec] * len(cache.v), lens=P(bt))
+  kv = _axis(mesh, rules, "kv_heads", cache.k.shape[2], "kv heads")
+  spec = P(None, bt, kv, None, None)  # [L, B, K, S, D]
+  return KVCache(k=spec, v=spec, lens=P(bt))
 
 
 # decode.DecodeState fields split over dp and the dimension that holds the batch; every other
@@ -251,7 +251,8 @@ def shard_attention(attn_fn: Callable, mesh: Mesh, rules: ShardingRules | None =
   """Wraps an attention with the `attention.attend_xla` contract to run per shard in shard_map.
 
   Split: batch over dp (when it divides), query heads q [B, T, N, D] on N and caches
-  [B, K, S, D] / new rows [B, T, K, D] on K over tp; prefix_len [B] and new_mask [B, T, T] on B
+  [B, K, S, D] (or [L, B, K, S, D] with `layer`) / new rows [B, T, K, D] on K over tp; prefix_len
+  [B] and new_mask [B, T, T] on B
   only. Attention is independent per (sequence, kv head), so there is no communication. With
   replicated kv heads (rules.kv_heads None) each device slices out the kv heads of its own query
   heads; if no clean split exists the heads are computed replicated (correct, just slower).
@@ -259,7 +260,8 @@ def shard_attention(attn_fn: Callable, mesh: Mesh, rules: ShardingRules | None =
   rules = rules or DEFAULT_RULES
 
   def wrapped(q, k_cache, v_cache, prefix_len, k_new, v_new, new_mask, *, scale, **kw):
-    b, hq, hkv = q.shape[0], q.shape[2], k_cache.shape[1]
+    b, hq, hkv = q.shape[0], q.shape[2], k_cache.shape[-3]
+    lead = (None,) * (k_cache.ndim - 4)  # the layer axis of stacked caches
     size = lambda name: mesh.shape[name] if name in mesh.shape else 1
     bt = rules.batch if rules.batch in mesh.shape and b % size(rules.batch) == 0 else None
     hd = rules.heads if rules.heads in mesh.shape and hq % size(rules.heads) == 0 else None
@@ -275,10 +277,10 @@ def shard_attention(attn_fn: Callable, mesh: Mesh, rules: ShardingRules | None =
       if hd is not None and kv is None:  # replicated kv heads: keep those of the local q heads
         start = jax.lax.axis_index(hd) * n_loc // g
         take = lambda x, axis: jax.lax.dynamic_slice_in_dim(x, start, kv_loc, axis)
-        kc, vc, kn, vn = take(kc, 1), take(vc, 1), take(kn, 2), take(vn, 2)
+        kc, vc, kn, vn = take(kc, kc.ndim - 3), take(vc, vc.ndim - 3), take(kn, 2), take(vn, 2)
       return attn_fn(q, kc, vc, plen, kn, vn, mask, scale=scale, **kw)
 
-    q_spec, c_spec, n_spec = P(bt, None, hd, None), P(bt, kv, None, None), P(bt, None, kv, None)
+    q_spec, c_spec, n_spec = P(bt, None, hd, None), P(*lead, bt, kv, None, None), P(bt, None, kv, None)
     return jax.shard_map(local, mesh=mesh, out_specs=q_spec, check_vma=False,
                          in_specs=(q_spec, c_spec, c_spec, P(bt), n_spec, n_spec,
                                    P(bt, None, None)))(

@@ -78,16 +78,17 @@ def _build_one(draft_logits, root_token, budget: int, k: int) -> DraftTree:
   def step(beam_score, xs):  # beam_{d-1} -> beam_d
     logq_d, toks_d = xs
     cand = beam_score[pj] + logq_d[pr]  # [P], P >= B
-    score, idx = jax.lax.top_k(cand, budget)
-    return score, (score, toks_d[pr[idx]], pj[idx])
+    score, (tok, par) = select_top(cand, budget, (toks_d[pr], pj))
+    return score, (score, tok, par)
 
   _, (score_r, tok_r, par_r) = jax.lax.scan(step, score1, (logq[1:], top_toks[1:]))
   beam_score = jnp.concatenate([score1[None], score_r])  # [L, B]
   beam_tok = jnp.concatenate([tok1[None], tok_r])
   beam_par = jnp.concatenate([par1[None], par_r])  # rank in beam_{d-1}
 
-  # Global top-B; stable top-k over the depth-major layout breaks ties by depth ascending.
-  scores, flat = jax.lax.top_k(beam_score.reshape(-1), budget, is_stable=True)
+  # Global top-B; ties to the lower index of the depth-major layout, i.e. by depth ascending.
+  flat_ids = jnp.arange(depth * budget, dtype=jnp.int32)
+  scores, (flat,) = select_top(beam_score.reshape(-1), budget, (flat_ids,))
   node_depth = flat // budget  # 0-based, = tree depth - 1
   # Output index of every selected beam entry (0 = unselected / root), then parents by gather.
   out_index = jnp.zeros((depth * budget,), jnp.int32).at[flat].set(jnp.arange(1, n, dtype=jnp.int32))
@@ -101,6 +102,31 @@ def _build_one(draft_logits, root_token, budget: int, k: int) -> DraftTree:
   scores = jnp.concatenate([jnp.zeros((1,), jnp.float32), scores])
   return DraftTree(tokens=tokens, parents=parents, depths=depths, scores=scores,
                    visibility=ancestor_closure(parents, depth))
+
+
+RANK_SELECT_MAX = 2048  # select_top compares all pairs up to this many candidates, sorts beyond
+
+
+def select_top(x, k: int, payloads=()):
+  """The k largest entries of x [P] in descending order, ties to the lower index (a stable
+  top-k), and the payloads [P] (int arrays) at them: (values [k], tuple of payloads [k]).
+
+  Up to RANK_SELECT_MAX candidates by ranks instead of a sort: rank i = #{j beating i}, then entry
+  r of the output is the candidate of rank r (a one-hot reduction). XLA:GPU sorts the whole
+  row for a top-k with k > 16: in a batch-1 DDTree B=64 step on an H200 the per-depth beam's sorts
+  took 6.5 us each, 14 in a row, and the global one 32 us (experiments/profile_step.py,
+  2026-11-30); the two reductions here are one small fusion each."""
+  p = x.shape[-1]
+  if p > RANK_SELECT_MAX:
+    vals, idx = jax.lax.top_k(x, k, is_stable=True)
+    return vals, tuple(pl[idx] for pl in payloads)
+  i = jnp.arange(p, dtype=jnp.int32)
+  beats = (x[None, :] > x[:, None]) | ((x[None, :] == x[:, None]) & (i[None, :] < i[:, None]))
+  rank = jnp.sum(beats, axis=1, dtype=jnp.int32)  # a permutation of 0..P-1
+  pick = rank[None, :] == jnp.arange(k, dtype=jnp.int32)[:, None]  # [k, P], one True per row
+  vals = jnp.sum(jnp.where(pick, x[None, :], 0.0), axis=1)  # exact: one term per row
+  return vals, tuple(jnp.sum(jnp.where(pick, pl[None, :], 0), axis=1, dtype=pl.dtype)
+                     for pl in payloads)
 
 
 def top_k(x, k: int, chunk: int | None = None):

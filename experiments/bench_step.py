@@ -79,11 +79,10 @@ def make_drafter(tcfg, key, small):
 
 
 def random_cache(key, cfg, batch, capacity, prefix):
-  shape = (batch, cfg.num_kv_heads, capacity, cfg.head_dim)
-  keys = jax.random.split(key, 2 * cfg.num_layers)
-  mk = lambda k: jax.random.normal(k, shape, jnp.bfloat16)
-  return model.KVCache(k=[mk(k) for k in keys[:cfg.num_layers]],
-                       v=[mk(k) for k in keys[cfg.num_layers:]],
+  shape = (cfg.num_layers, batch, cfg.num_kv_heads, capacity, cfg.head_dim)
+  kk, kv = jax.random.split(key)
+  return model.KVCache(k=jax.random.normal(kk, shape, jnp.bfloat16),
+                       v=jax.random.normal(kv, shape, jnp.bfloat16),
                        lens=jnp.full((batch,), prefix, jnp.int32))
 
 

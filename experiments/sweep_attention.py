@@ -35,6 +35,8 @@ def parse_args(argv):
   p.add_argument("--batches", type=ba._ints, default=[1, 8])
   p.add_argument("--block_rows", type=ba._ints, default=[64, 128])
   p.add_argument("--splits", type=ba._ints, default=[1, 2, 4, 8, 16, 32])
+  p.add_argument("--block_ks", type=ba._ints, default=[],
+                 help="also sweep the prefix keys per loop step (default: the rule's, by rows)")
   p.add_argument("--capacity_slack", type=int, default=256)
   p.add_argument("--round_ms", type=float, default=5.0)
   p.add_argument("--rounds", type=int, default=3)
@@ -56,8 +58,8 @@ def main(argv=None):
   rng = np.random.default_rng(0)
   print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, Hq={hq} Hkv={hkv} D={d}, "
         f"capacity = prefix + {args.capacity_slack}")
-  header = (f"{'B':>2} {'prefix':>6} {'T':>4} | {'default us':>10} {'(splits,rows)':>13} | "
-            f"{'best us':>8} {'(splits,rows)':>13} {'default/best':>12}")
+  header = (f"{'B':>2} {'prefix':>6} {'T':>4} | {'default us':>10} {'(splits,rows[,bk])':>17} | "
+            f"{'best us':>8} {'(splits,rows[,bk])':>17} {'default/best':>12}")
   print(header + "\n" + "-" * len(header))
   t_start = time.perf_counter()
   pool = concurrent.futures.ThreadPoolExecutor(args.threads)
@@ -67,20 +69,22 @@ def main(argv=None):
         q, *consts = ba.make_cell(rng, b, prefix, t, hq, hkv, d, args.capacity_slack)
         cfg = attention_config(q.shape, consts[0].shape)
         gp = 1 << (hq // hkv - 1).bit_length()
-        default = (cfg["num_splits"], cfg["block_t"] * gp)
-        grid = [default] + [(s, r) for r in args.block_rows for s in args.splits
-                            if (s, r) != default]
+        # a grid point: (splits, rows) or, with --block_ks, (splits, rows, block_k)
+        default = (cfg["num_splits"], cfg["block_t"] * gp) + ((cfg["block_k"],) * bool(args.block_ks))
+        grid = [default] + [(s, r, *k) for r in args.block_rows for s in args.splits
+                            for k in ([(k,) for k in args.block_ks] or [()])
+                            if (s, r, *k) != default]
 
-        def attend(qc, *c, s, r):
-          return tree_attention(qc, *c, scale=scale, interpret=interpret, num_splits=s,
-                                block_rows=r)
+        def attend(qc, *c, sr):
+          return tree_attention(qc, *c, scale=scale, interpret=interpret, num_splits=sr[0],
+                                block_rows=sr[1], block_k=sr[2] if len(sr) > 2 else None)
 
-        sec, _ = ba.time_loop(lambda qc, *c: attend(qc, *c, s=default[0], r=default[1]), q,
+        sec, _ = ba.time_loop(lambda qc, *c: attend(qc, *c, sr=default), q,
                               consts, args.round_ms, 1)
         n = int(min(max(args.round_ms * 1e-3 / sec, 3), 2000))
 
         def compiled(sr):
-          fn = lambda qc, *c: lax.fori_loop(0, n, lambda i, x: attend(x, *c, s=sr[0], r=sr[1]), qc)
+          fn = lambda qc, *c: lax.fori_loop(0, n, lambda i, x: attend(x, *c, sr=sr), qc)
           return jax.jit(fn).lower(q, *consts).compile()
 
         programs = list(pool.map(compiled, grid))
@@ -94,13 +98,14 @@ def main(argv=None):
             reps.append((time.perf_counter() - t0) / n)
           times[sr] = statistics.median(reps)
         best = min(times, key=times.get)
-        print(f"{b:>2} {prefix:>6} {t:>4} | {times[default] * 1e6:>10.1f} {str(default):>13} | "
-              f"{times[best] * 1e6:>8.1f} {str(best):>13} {times[default] / times[best]:>12.2f}",
+        print(f"{b:>2} {prefix:>6} {t:>4} | {times[default] * 1e6:>10.1f} {str(default):>17} | "
+              f"{times[best] * 1e6:>8.1f} {str(best):>17} {times[default] / times[best]:>12.2f}",
               flush=True)
         if args.json_out:
           with open(args.json_out, "a") as f:
             f.write(json.dumps(dict(batch=b, prefix=prefix, tokens=t, default=default,
-                                    times_us={f"{s},{r}": v * 1e6 for (s, r), v in times.items()}))
+                                    times_us={",".join(map(str, sr)): v * 1e6
+                                              for sr, v in times.items()}))
                     + "\n")
   print(f"total wall time {time.perf_counter() - t_start:.0f} s")
 

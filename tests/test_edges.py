@@ -71,10 +71,9 @@ def _run_with_canaries(target, d, method, budget, capacity):
   dparams = d.params if d else None
   state = decode.prefill(target.params, dparams, jnp.asarray(tokens), jnp.asarray(lens),
                          jax.random.key(0), capacity=capacity, **st)
-  rows = jnp.arange(capacity)[None, None, :, None] >= jnp.asarray(lens)[:, None, None, None]
-  canary = lambda c: jnp.where(rows, 1234.5, c)
-  cache = dataclasses.replace(state.cache, k=[canary(c) for c in state.cache.k],
-                              v=[canary(c) for c in state.cache.v])
+  rows = jnp.arange(capacity)[None, None, None, :, None] >= jnp.asarray(lens)[None, :, None, None, None]
+  canary = lambda c: jnp.where(rows, 1234.5, c)  # [L, B, K, S, D]
+  cache = dataclasses.replace(state.cache, k=canary(state.cache.k), v=canary(state.cache.v))
   state = decode.decode_loop(target.params, dparams, dataclasses.replace(state, cache=cache), **st)
   return state
 
@@ -89,7 +88,8 @@ def test_nothing_written_outside_own_rows(target, drafter, ar, method, budget):
   final = np.asarray(spec.cache.lens)
   np.testing.assert_array_equal(final, np.asarray(ref.cache.lens))
   for layer in range(target.config.num_layers):
-    for a, b in ((spec.cache.k[layer], ref.cache.k[layer]), (spec.cache.v[layer], ref.cache.v[layer])):
+    for a, b in ((spec.cache.k[layer], ref.cache.k[layer]),
+                 (spec.cache.v[layer], ref.cache.v[layer])):
       a, b = np.asarray(a), np.asarray(b)
       for s, n in enumerate(final):
         assert np.all(a[s, :, n:] == 1234.5)

@@ -160,6 +160,26 @@ def test_fully_masked_rows_are_zero_not_nan():
                   np.delete(np.asarray(_reference(*args, scale=0.125)), 2, axis=1), 1e-5)
 
 
+def test_stacked_layer_caches_equal_one_layer():
+  """A KVCache holds every layer in one [L, B, Hkv, S, D] array and attention reads layer `layer`
+  in place: same output as the layer's own [B, Hkv, S, D] caches, in both implementations."""
+  rng = np.random.default_rng(5)
+  q, _, _, plen, kn, vn, mask = _inputs(rng, 2, 5, 8, 2, 40, 64, jnp.float32, prefix_len=[40, 9])
+  ks = jnp.asarray(rng.standard_normal((3, 2, 2, 40, 64), dtype=np.float32))
+  vs = jnp.asarray(rng.standard_normal((3, 2, 2, 40, 64), dtype=np.float32))
+  for layer in (0, 2):
+    one = (q, ks[layer], vs[layer], plen, kn, vn, mask)
+    stacked = (q, ks, vs, plen, kn, vn, mask)
+    want = _reference(*one, scale=0.125)
+    _assert_close(tree_attention(*stacked, scale=0.125, layer=layer, num_splits=2), want, 1e-5)
+    with jax.default_matmul_precision("highest"):
+      _assert_close(attend_xla(*stacked, scale=0.125, layer=layer), want, 1e-6)
+  with pytest.raises(ValueError, match="layer=3"):
+    tree_attention(*stacked, scale=0.125, layer=3)
+  with pytest.raises(ValueError, match="layer=0"):
+    tree_attention(q, ks[0], vs[0], plen, kn, vn, mask, scale=0.125, layer=0)
+
+
 # ---------------------------------------------------------------------------------------------
 # Lowering for CUDA on a machine without a GPU: an abstract H200 makes the Pallas Triton lowering
 # rule run, which emits the Triton module as a serialized custom call. We also parse that module
@@ -172,9 +192,10 @@ def _abstract_h200_mesh():
   return AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=dev)
 
 
-def _lower_for_h200(b, t, hq, hkv, s, d, dtype=jnp.bfloat16, **kw):
+def _lower_for_h200(b, t, hq, hkv, s, d, dtype=jnp.bfloat16, layers=None, **kw):
   sds = jax.ShapeDtypeStruct
-  args = (sds((b, t, hq, d), dtype), sds((b, hkv, s, d), dtype), sds((b, hkv, s, d), dtype),
+  cache = (b, hkv, s, d) if layers is None else (layers, b, hkv, s, d)
+  args = (sds((b, t, hq, d), dtype), sds(cache, dtype), sds(cache, dtype),
           sds((b,), jnp.int32), sds((b, t, hkv, d), dtype), sds((b, t, hkv, d), dtype),
           sds((b, t, t), jnp.bool_))
   fn = lambda *a: tree_attention(*a, scale=d ** -0.5, interpret=False, **kw)
@@ -229,9 +250,11 @@ def test_lowers_for_h200_at_every_budget(g):
     (1, 1, 32, 8, 32768, 128, None),    # decode: split-K
     (8, 2048, 32, 8, 2048, 128, None),  # prefill-sized T
     (1, 9, 24, 8, 1000, 64, 3),         # G=3, D=64
+    (1, 65, 32, 8, 1057, 128, "stacked"),  # a KVCache's [36, B, Hkv, S, D], layer 35
 ])
 def test_lowers_for_h200_other_shapes(b, t, hq, hkv, s, d, splits):
-  calls = _triton_custom_calls(_lower_for_h200(b, t, hq, hkv, s, d, num_splits=splits))
+  kw = dict(layers=36, layer=35) if splits == "stacked" else dict(num_splits=splits)
+  calls = _triton_custom_calls(_lower_for_h200(b, t, hq, hkv, s, d, **kw))
   assert len(calls) == 1
   _verify_triton_ir(calls[0])
 

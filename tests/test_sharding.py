@@ -238,8 +238,8 @@ def test_drafter_forward_with_sharded_attention(reference):
     st = decode.prefill(t.params, d.params, tokens, lens, jax.random.key(0), tcfg=t.config,
                         dcfg=d.config, lc=lc, capacity=16)
     if m is not None:
-      assert _laid_out(st.draft_cache.k[0], P("dp", "tp"))
-      assert _laid_out(st.cache.k[0], P("dp", "tp"))
+      assert _laid_out(st.draft_cache.k, P(None, "dp", "tp"))
+      assert _laid_out(st.cache.k, P(None, "dp", "tp"))
       assert _laid_out(st.cache.lens, P("dp")) and _laid_out(st.out, P("dp"))
     draft = jax.jit(lambda dp, tp, c, b, lc=lc: drafter_lib.draft_logits(
         dp, d.config, tp, c, b, lc.attn_fn))

@@ -240,3 +240,18 @@ def test_chunked_top_k_equals_lax_top_k(n, k, chunk):
   ref_vals, ref_idx = jax.lax.top_k(jnp.asarray(x), k)
   np.testing.assert_array_equal(np.asarray(vals), np.asarray(ref_vals))
   np.testing.assert_array_equal(np.asarray(idx), np.asarray(ref_idx))
+
+
+@pytest.mark.parametrize("p,k", [(1, 1), (7, 7), (130, 32), (280, 64), (3000, 64)])
+def test_select_top_equals_stable_top_k(p, k):
+  """Ranks (P <= RANK_SELECT_MAX) or the sort fallback (3000): lax.top_k(is_stable=True)'s values
+  and order, ties and -inf beam padding included, with the payloads carried along."""
+  rng = np.random.default_rng(p + k)
+  x = np.round(rng.standard_normal(p) * 2) / 2  # heavy ties
+  x[rng.permutation(p)[: p // 3]] = -np.inf
+  x = jnp.asarray(x, jnp.float32)
+  payload = jnp.asarray(rng.integers(-5, 1000, p), jnp.int32)
+  vals, (got,) = jax.jit(tree_lib.select_top, static_argnums=1)(x, k, (payload,))
+  ref_vals, ref_idx = jax.lax.top_k(x, k, is_stable=True)
+  np.testing.assert_array_equal(np.asarray(vals), np.asarray(ref_vals))
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(payload)[np.asarray(ref_idx)])

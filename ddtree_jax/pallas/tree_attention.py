@@ -78,14 +78,19 @@ def _qk(q, k, scale):
   return s * scale
 
 
-def _kernel(plen_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, mask_ref, *out_refs,
-            scale, t_len, g, gp, d, dp, cap, block_t, block_k, block_n, num_splits):
+def _kernel(plen_ref, layer_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, mask_ref, *out_refs,
+            scale, t_len, g, gp, d, dp, cap, block_t, block_k, block_n, num_splits, stacked):
   """One (row block, split, batch, kv head) program.
 
   Refs (batch and kv head already selected by the BlockSpecs):
-    plen_ref [] int32; q_ref [T, G, D]; k_ref, v_ref [S, D]; kn_ref, vn_ref [T, D]; mask_ref [T, T]
+    plen_ref [] int32; layer_ref [] int32; q_ref [T, G, D]; k_ref, v_ref [S, D] (or, when
+    `stacked`, [L, S, D]: every layer, layer_ref picks one); kn_ref, vn_ref [T, D]; mask_ref [T, T]
     outputs: o_ref [T, G, D] (plus lse_ref [T, G] float32 when num_splits > 1).
   """
+  # The layer is a runtime index, so every layer runs the same kernel (one compile, not L). Triton
+  # loads take one indexer, hence the layer goes into the same .at[] as the key block.
+  layer = layer_ref[()]
+  prefix_rows = lambda ref, start: ref.at[(layer,) * stacked + (pl.ds(start, block_k), pl.ds(0, dp))]
   r, split = pl.program_id(0), pl.program_id(1)
   rows = block_t * gp
   t0 = r * block_t
@@ -115,8 +120,8 @@ def _kernel(plen_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, mask_ref, *out_refs,
     start = lo + i * block_k
     key_ok = (start + jnp.arange(block_k)) < hi                   # [block_k]
     kv_mask = _and(key_ok[:, None], d_ok2)
-    k = plgpu.load(k_ref.at[pl.ds(start, block_k), pl.ds(0, dp)], mask=kv_mask, other=0)
-    v = plgpu.load(v_ref.at[pl.ds(start, block_k), pl.ds(0, dp)], mask=kv_mask, other=0)
+    k = plgpu.load(prefix_rows(k_ref, start), mask=kv_mask, other=0)
+    v = plgpu.load(prefix_rows(v_ref, start), mask=kv_mask, other=0)
     scores = jnp.where(key_ok[None, :], _qk(q, k, scale), NEG_INF)
     # Every entered block has a valid key, so each row's running max is finite afterwards and
     # masked keys get exp2(NEG_INF - m) = 0: no explicit zeroing needed here.
@@ -201,20 +206,22 @@ def _device_sm_count():
     return None
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_k", "num_splits",
+@functools.partial(jax.jit, static_argnames=("scale", "layer", "interpret", "block_k", "num_splits",
                                              "block_rows", "num_warps", "num_stages"))
-def tree_attention(q, k_cache, v_cache, prefix_len, k_new, v_new, new_mask, *, scale,
+def tree_attention(q, k_cache, v_cache, prefix_len, k_new, v_new, new_mask, *, scale, layer=None,
                    interpret=None, block_k=None, num_splits=None, block_rows=None,
                    num_warps=None, num_stages=None):
   """Masked attention of T new tokens over a cached prefix plus themselves (Pallas/Triton).
 
   Args:
     q: [B, T, Hq, D] queries (RoPE applied).
-    k_cache, v_cache: [B, Hkv, S, D] cached prefix keys/values (S = static capacity).
+    k_cache, v_cache: [B, Hkv, S, D] cached prefix keys/values (S = static capacity), or every
+      layer's [L, B, Hkv, S, D] with `layer` the one read (the kernel indexes it in place).
     prefix_len: [B] int32, valid prefix rows per sequence (clamped to [0, S]).
     k_new, v_new: [B, T, Hkv, D] keys/values of the new tokens.
     new_mask: [B, T, T] bool, new_mask[b, i, j]: query i may see new key j.
     scale: softmax scale (static).
+    layer: static layer index into 5-D caches (None: 4-D caches).
     interpret: None = interpret mode on a CPU default backend, compiled Triton otherwise.
     block_k: prefix keys per loop step (power of two >= 16); default by shape.
     num_splits: split-K factor over the prefix; default fills ~2 programs per SM.
@@ -224,7 +231,10 @@ def tree_attention(q, k_cache, v_cache, prefix_len, k_new, v_new, new_mask, *, s
     [B, T, Hq, D] in q's dtype. Softmax statistics are float32. Rows that see no key give 0.
   """
   b, t_len, hq, d = q.shape
-  hkv, cap = k_cache.shape[1], k_cache.shape[2]
+  hkv, cap = k_cache.shape[-3], k_cache.shape[-2]
+  if k_cache.ndim != (4 if layer is None else 5) or not 0 <= (layer or 0) < k_cache.shape[0]:
+    raise ValueError(f"caches of shape {k_cache.shape} do not fit layer={layer} "
+                     "([B, Hkv, S, D] without a layer, [L, B, Hkv, S, D] with one)")
   if hq % hkv:
     raise ValueError(f"Hq={hq} is not a multiple of Hkv={hkv}")
   if not (q.dtype == k_cache.dtype == v_cache.dtype == k_new.dtype == v_new.dtype):
@@ -252,14 +262,20 @@ def tree_attention(q, k_cache, v_cache, prefix_len, k_new, v_new, new_mask, *, s
   row_blocks = pl.cdiv(t_len, bt)
   kernel = functools.partial(
       _kernel, scale=float(scale) * LOG2_E, t_len=t_len, g=g, gp=gp, d=d, dp=dp, cap=cap,
-      block_t=bt, block_k=bk, block_n=bn, num_splits=ns)
+      block_t=bt, block_k=bk, block_n=bn, num_splits=ns, stacked=layer is not None)
 
   # Index maps take the grid indices (row block, split, batch, kv head).
+  if layer is None:
+    cache_spec = pl.BlockSpec((None, None, cap, d), lambda r, s, i, h: (i, h, 0, 0))
+  else:
+    n_layers = k_cache.shape[0]
+    cache_spec = pl.BlockSpec((n_layers, None, None, cap, d), lambda r, s, i, h: (0, i, h, 0, 0))
   in_specs = [
       pl.BlockSpec((None,), lambda r, s, i, h: (i,)),                       # prefix_len
+      pl.BlockSpec((None,), lambda r, s, i, h: (0,)),                       # layer
       pl.BlockSpec((None, t_len, g, d), lambda r, s, i, h: (i, 0, h, 0)),   # q: G heads of h
-      pl.BlockSpec((None, None, cap, d), lambda r, s, i, h: (i, h, 0, 0)),  # k_cache
-      pl.BlockSpec((None, None, cap, d), lambda r, s, i, h: (i, h, 0, 0)),  # v_cache
+      cache_spec,                                                           # k_cache
+      cache_spec,                                                           # v_cache
       pl.BlockSpec((None, t_len, None, d), lambda r, s, i, h: (i, 0, h, 0)),  # k_new
       pl.BlockSpec((None, t_len, None, d), lambda r, s, i, h: (i, 0, h, 0)),  # v_new
       pl.BlockSpec((None, t_len, t_len), lambda r, s, i, h: (i, 0, 0)),     # new_mask
@@ -282,7 +298,8 @@ def tree_attention(q, k_cache, v_cache, prefix_len, k_new, v_new, new_mask, *, s
       compiler_params=plgpu.CompilerParams(num_warps=nw, num_stages=nst),
       interpret=interpret,
       name="tree_attention",
-  )(prefix_len.astype(jnp.int32), q, k_cache, v_cache, k_new, v_new, new_mask.astype(jnp.bool_))
+  )(prefix_len.astype(jnp.int32), jnp.full((1,), layer or 0, jnp.int32), q, k_cache, v_cache,
+    k_new, v_new, new_mask.astype(jnp.bool_))
 
   if ns == 1:
     return out
