@@ -8,7 +8,7 @@ decode-state pytree into a matching pytree of NamedShardings. Layouts (model.py,
   w_gate_up [H, 2, I] split I    w_down [I, H] split I      XLA inserts the all-reduce)
   embed [V, H], lm_head [H, V] split V (argmax/top-k still return global ids)
   norms, q_norm, k_norm replicated; drafter fc [k*H, H] split on its output columns
-  KV cache [B, K, S, D]: B over dp, K over tp; per-sequence decode state over dp
+  KV cache [L, B, K, S, D]: B over dp, K over tp; per-sequence decode state over dp
 
 Everything else is GSPMD: params and caches carry NamedShardings and jit propagates them. The
 attention runs per shard inside `jax.shard_map` (`shard_attention`), since a pallas_call cannot
