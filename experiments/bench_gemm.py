@@ -8,6 +8,9 @@ One step is a layer without attention (bf16, random weights), in three forms:
           replaced by o = q + k + v (per group).
   sbt:    the same layer with the einsums model.py used before 2026-11-30: k/v and gate/up
           stacked first ("sbtkd", "sbti"); model.py now puts that axis after the tokens.
+  pallas: the flat layer with each matmul a Pallas (Triton) skinny GEMM, `skinny_matmul`: one
+          program per column block of W streams its [K, block_n] slab once, no split-K. An
+          experiment: can a plain kernel read the weights faster than XLA's picks at 33-129 rows?
 Each runs n times in one jitted fori_loop (bench_attention.time_loop); the table gives us per
 layer and the weight bandwidth it reaches. The verify forward of budget B runs M = B + 1 rows per
 sequence, so this says which row counts (and layouts) the GEMM backend handles badly.
@@ -24,8 +27,13 @@ import json
 import os
 import sys
 
+import functools
+
 import jax
+from jax import lax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 import bench_attention as ba
 from ddtree_jax import model
@@ -39,7 +47,9 @@ def parse_args(argv):
   p.add_argument("--hidden", type=int, default=4096)
   p.add_argument("--qkv", type=int, default=6144)
   p.add_argument("--intermediate", type=int, default=12288)
-  p.add_argument("--forms", default="flat,model,sbt")
+  p.add_argument("--forms", default="flat,model,sbt", help="of flat, model, sbt, pallas")
+  p.add_argument("--pallas", default="",
+                 help="skinny_matmul launch parameters, e.g. block_k=256,num_stages=3")
   p.add_argument("--round_ms", type=float, default=20.0)
   p.add_argument("--rounds", type=int, default=5)
   p.add_argument("--json_out", default="")
@@ -65,6 +75,58 @@ def layer_step(x, wqkv, wo, wgu, wd):
   h = x + qkv[:, :d] @ wo
   g = h @ wgu
   return h + (jax.nn.silu(g[:, :f]) * g[:, f:]) @ wd
+
+
+def _skinny_kernel(x_ref, w_ref, o_ref, *, m, mp, block_k, n_k):
+  rows_ok = (jnp.arange(mp) < m)[:, None]
+
+  def body(i, acc):
+    x = plgpu.load(x_ref.at[pl.ds(0, mp), pl.ds(i * block_k, block_k)], mask=rows_ok, other=0)
+    w = plgpu.load(w_ref.at[pl.ds(i * block_k, block_k), :])
+    return acc + lax.dot_general(x, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+  acc = lax.fori_loop(0, n_k, body, jnp.zeros((mp, w_ref.shape[1]), jnp.float32))
+  plgpu.store(o_ref.at[pl.ds(0, mp), :], acc.astype(o_ref.dtype), mask=rows_ok)
+
+
+@functools.partial(jax.jit, static_argnames=("block_n", "block_k", "num_warps", "num_stages",
+                                             "interpret"))
+def skinny_matmul(x, w, *, block_n=None, block_k=128, num_warps=4, num_stages=None,
+                  interpret=None):
+  """x [M, K] @ w [K, N] -> [M, N] in x's dtype (float32 accumulation). block_n defaults to the
+  largest power of two <= 128 that still gives >= 128 programs (about a wave on an H200);
+  num_stages to as many (<= 4) as fit ~200 KB of shared memory (the H200 has 227 KB)."""
+  m, k = x.shape
+  n = w.shape[1]
+  if block_n is None:
+    block_n = 128
+    while block_n > 16 and n // block_n < 128:
+      block_n //= 2
+  block_k = min(block_k, k)
+  if n % block_n or k % block_k:
+    raise ValueError(f"N={n} and K={k} must be multiples of block_n={block_n}, block_k={block_k}")
+  mp = max(16, 1 << (m - 1).bit_length())
+  if num_stages is None:
+    num_stages = max(1, min(4, 200 * 1024 // ((mp + block_n) * block_k * x.dtype.itemsize)))
+  kernel = functools.partial(_skinny_kernel, m=m, mp=mp, block_k=block_k, n_k=k // block_k)
+  return pl.pallas_call(
+      kernel, grid=(n // block_n,),
+      in_specs=[pl.BlockSpec((m, k), lambda j: (0, 0)), pl.BlockSpec((k, block_n), lambda j: (0, j))],
+      out_specs=pl.BlockSpec((m, block_n), lambda j: (0, j)),
+      out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      interpret=jax.default_backend() == "cpu" if interpret is None else interpret,
+      name="skinny_matmul")(x, w)
+
+
+def pallas_layer_step(x, wqkv, wo, wgu, wd, **kw):
+  """layer_step with every matmul a skinny_matmul (kw: its launch parameters)."""
+  d, f = x.shape[1], wd.shape[0]
+  mm = functools.partial(skinny_matmul, **kw)
+  qkv = mm(x, wqkv)
+  h = x + mm(qkv[:, :d], wo)
+  g = mm(h, wgu)
+  return h + mm(jax.nn.silu(g[:, :f]) * g[:, f:], wd)
 
 
 def model_layer_step(x, layer, cos, sin, *, cfg, form):
@@ -102,7 +164,10 @@ def main(argv=None):
       input_norm=ones(d), wq=flat[0][:, :d].reshape(d, nq, dh),
       wkv=flat[0][:, d:].reshape(d, 2, nkv, dh), wo=flat[1].reshape(nq, dh, d), q_norm=ones(dh),
       k_norm=ones(dh), post_norm=ones(d), w_gate_up=flat[2].reshape(d, 2, f), w_down=flat[3])
-  forms = {"flat": lambda m: (layer_step, flat, lambda x: x)}
+  pallas_kw = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in args.pallas.split(",") if kv}
+  forms = {"flat": lambda m: (layer_step, flat, lambda x: x),
+           "pallas": lambda m: (functools.partial(pallas_layer_step, **pallas_kw), flat,
+                                lambda x: x)}
   cfg = layer_config(d, f, nq, nkv, dh)
   for name in ("model", "sbt"):
     def make(m, name=name):
@@ -112,7 +177,8 @@ def main(argv=None):
     forms[name] = make
   weight_bytes = sum(w.nbytes for w in flat)
   print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, "
-        f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}, weights {weight_bytes / 1e6:.0f} MB")
+        f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}, pallas {args.pallas!r}, "
+        f"weights {weight_bytes / 1e6:.0f} MB")
   names = args.forms.split(",")
   print(f"{'M':>5} " + " ".join(f"{n + ' us':>9} {'GB/s':>6}" for n in names))
   for m in args.rows:
@@ -124,7 +190,7 @@ def main(argv=None):
       cells.append(f"{sec * 1e6:>9.1f} {weight_bytes / sec / 1e9:>6.0f}")
       if args.json_out:
         with open(args.json_out, "a") as fh:
-          fh.write(json.dumps(dict(rows=m, form=name, us=sec * 1e6,
+          fh.write(json.dumps(dict(rows=m, form=name, us=sec * 1e6, pallas=args.pallas,
                                    xla_flags=os.environ.get("XLA_FLAGS", ""))) + "\n")
     print(f"{m:>5} " + " ".join(cells), flush=True)
 

@@ -106,9 +106,14 @@ def test_gemm_bench_forms_compute_the_same_layer(tmp_path):
   new = bench_gemm.model_layer_step(x, layer, cos, sin, cfg=cfg, form="model")
   old = bench_gemm.model_layer_step(x, layer, cos, sin, cfg=cfg, form="sbt")
   np.testing.assert_allclose(np.asarray(new), np.asarray(old), rtol=1e-5, atol=1e-5)
+  # the Pallas skinny-GEMM form (interpret mode here) computes the flat layer
+  flat = [w(d, 3 * d), w(d, d), w(d, 2 * f), w(f, d)]
+  xs = w(t, d)
+  np.testing.assert_allclose(np.asarray(bench_gemm.pallas_layer_step(xs, *flat)),
+                             np.asarray(bench_gemm.layer_step(xs, *flat)), rtol=1e-5, atol=1e-5)
   out = tmp_path / "gemm.jsonl"
-  bench_gemm.main(["--smoke", f"--json_out={out}"])
+  bench_gemm.main(["--smoke", "--forms=flat,model,sbt,pallas", f"--json_out={out}"])
   rows = [json.loads(line) for line in out.read_text().splitlines()]
-  want = {(m, form) for m in (1, 5) for form in ("flat", "model", "sbt")}
+  want = {(m, form) for m in (1, 5) for form in ("flat", "model", "sbt", "pallas")}
   assert {(r["rows"], r["form"]) for r in rows} == want
   assert all(r["us"] > 0 for r in rows)
