@@ -232,7 +232,8 @@ def tree_attention(q, k_cache, v_cache, prefix_len, k_new, v_new, new_mask, *, s
   """
   b, t_len, hq, d = q.shape
   hkv, cap = k_cache.shape[-3], k_cache.shape[-2]
-  if k_cache.ndim != (4 if layer is None else 5) or not 0 <= (layer or 0) < k_cache.shape[0]:
+  if k_cache.ndim != (4 if layer is None else 5) or (
+      layer is not None and not 0 <= layer < k_cache.shape[0]):
     raise ValueError(f"caches of shape {k_cache.shape} do not fit layer={layer} "
                      "([B, Hkv, S, D] without a layer, [L, B, Hkv, S, D] with one)")
   if hq % hkv:
