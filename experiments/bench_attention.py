@@ -73,20 +73,23 @@ def parse_args(argv):
   return args
 
 
-def time_loop(step, carry0, consts, round_ms, rounds):
+def time_loop(step, carry0, consts, round_ms, rounds, n=None):
   """(median seconds of one `carry = step(carry, *consts)`, output of one step).
 
   The step runs n times inside one jit; n is static so XLA knows the trip count (no
-  device->host predicate copy per iteration).
+  device->host predicate copy per iteration). n=None sizes it to ~round_ms from a timed single
+  step (one more compile); then the output is None.
   """
-  single = jax.jit(step)
-  out = jax.block_until_ready(single(carry0, *consts))  # compile + warm
-  est = []
-  for _ in range(3):
-    t0 = time.perf_counter()
-    jax.block_until_ready(single(carry0, *consts))
-    est.append(time.perf_counter() - t0)
-  n = int(min(max(round_ms * 1e-3 / min(est), 3), 2000))
+  out = None
+  if n is None:
+    single = jax.jit(step)
+    out = jax.block_until_ready(single(carry0, *consts))  # compile + warm
+    est = []
+    for _ in range(3):
+      t0 = time.perf_counter()
+      jax.block_until_ready(single(carry0, *consts))
+      est.append(time.perf_counter() - t0)
+    n = int(min(max(round_ms * 1e-3 / min(est), 3), 2000))
 
   @jax.jit
   def run(carry, *consts):

@@ -50,6 +50,8 @@ def parse_args(argv):
   p.add_argument("--forms", default="flat,model,sbt", help="of flat, model, sbt, pallas")
   p.add_argument("--pallas", default="",
                  help="skinny_matmul launch parameters, e.g. block_k=256,num_stages=3")
+  p.add_argument("--sweep", action="store_true",
+                 help="per GEMM of the layer: XLA's x @ w vs skinny_matmul launch configurations")
   p.add_argument("--round_ms", type=float, default=20.0)
   p.add_argument("--rounds", type=int, default=5)
   p.add_argument("--json_out", default="")
@@ -77,46 +79,64 @@ def layer_step(x, wqkv, wo, wgu, wd):
   return h + (jax.nn.silu(g[:, :f]) * g[:, f:]) @ wd
 
 
-def _skinny_kernel(x_ref, w_ref, o_ref, *, m, mp, block_k, n_k):
+def _skinny_kernel(x_ref, w_ref, o_ref, *, m, mp, block_k, n_k, transposed):
+  """One (column block, K split) program: acc [mp, block_n] += x[:, k] @ w[k, cols] over its
+  n_k blocks of block_k; w is [K, N], or [N, K] when `transposed` (rows of W^T contiguous)."""
   rows_ok = (jnp.arange(mp) < m)[:, None]
+  k0 = pl.program_id(1) * n_k * block_k
+  bn = w_ref.shape[0 if transposed else 1]
 
   def body(i, acc):
-    x = plgpu.load(x_ref.at[pl.ds(0, mp), pl.ds(i * block_k, block_k)], mask=rows_ok, other=0)
-    w = plgpu.load(w_ref.at[pl.ds(i * block_k, block_k), :])
+    k = k0 + i * block_k
+    x = plgpu.load(x_ref.at[pl.ds(0, mp), pl.ds(k, block_k)], mask=rows_ok, other=0)
+    if transposed:
+      w = plgpu.load(w_ref.at[:, pl.ds(k, block_k)])
+      return acc + lax.dot_general(x, w, (((1,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
+    w = plgpu.load(w_ref.at[pl.ds(k, block_k), :])
     return acc + lax.dot_general(x, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
-  acc = lax.fori_loop(0, n_k, body, jnp.zeros((mp, w_ref.shape[1]), jnp.float32))
+  acc = lax.fori_loop(0, n_k, body, jnp.zeros((mp, bn), jnp.float32))
   plgpu.store(o_ref.at[pl.ds(0, mp), :], acc.astype(o_ref.dtype), mask=rows_ok)
 
 
-@functools.partial(jax.jit, static_argnames=("block_n", "block_k", "num_warps", "num_stages",
-                                             "interpret"))
-def skinny_matmul(x, w, *, block_n=None, block_k=128, num_warps=4, num_stages=None,
-                  interpret=None):
-  """x [M, K] @ w [K, N] -> [M, N] in x's dtype (float32 accumulation). block_n defaults to the
-  largest power of two <= 128 that still gives >= 128 programs (about a wave on an H200);
-  num_stages to as many (<= 4) as fit ~200 KB of shared memory (the H200 has 227 KB)."""
+@functools.partial(jax.jit, static_argnames=("block_n", "block_k", "splits", "transposed",
+                                             "num_warps", "num_stages", "interpret"))
+def skinny_matmul(x, w, *, block_n=None, block_k=128, splits=1, transposed=False, num_warps=4,
+                  num_stages=None, interpret=None):
+  """x [M, K] @ w [K, N] (or w [N, K] with `transposed`) -> [M, N] in x's dtype, float32
+  accumulation. With splits > 1 each of `splits` programs per column block sums a K/splits slice
+  into a float32 partial and the partials are added in jnp (XLA fuses that into the consumer).
+  block_n defaults to the largest power of two <= 128 that still gives >= 128 programs (about a
+  wave on an H200); num_stages to as many (<= 4) as fit ~200 KB of shared memory (227 KB)."""
   m, k = x.shape
-  n = w.shape[1]
+  n = w.shape[0 if transposed else 1]
   if block_n is None:
     block_n = 128
-    while block_n > 16 and n // block_n < 128:
+    while block_n > 16 and n // block_n * splits < 128:
       block_n //= 2
-  block_k = min(block_k, k)
-  if n % block_n or k % block_k:
-    raise ValueError(f"N={n} and K={k} must be multiples of block_n={block_n}, block_k={block_k}")
+  block_k = min(block_k, k // splits)
+  if n % block_n or k % (block_k * splits):
+    raise ValueError(f"N={n}, K={k} must be multiples of block_n={block_n}, "
+                     f"block_k={block_k} x splits={splits}")
   mp = max(16, 1 << (m - 1).bit_length())
   if num_stages is None:
     num_stages = max(1, min(4, 200 * 1024 // ((mp + block_n) * block_k * x.dtype.itemsize)))
-  kernel = functools.partial(_skinny_kernel, m=m, mp=mp, block_k=block_k, n_k=k // block_k)
-  return pl.pallas_call(
-      kernel, grid=(n // block_n,),
-      in_specs=[pl.BlockSpec((m, k), lambda j: (0, 0)), pl.BlockSpec((k, block_n), lambda j: (0, j))],
-      out_specs=pl.BlockSpec((m, block_n), lambda j: (0, j)),
-      out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
+  n_k = k // (block_k * splits)
+  kernel = functools.partial(_skinny_kernel, m=m, mp=mp, block_k=block_k, n_k=n_k,
+                             transposed=transposed)
+  w_spec = (pl.BlockSpec((block_n, k), lambda j, s: (j, 0)) if transposed
+            else pl.BlockSpec((k, block_n), lambda j, s: (0, j)))
+  out_dtype = x.dtype if splits == 1 else jnp.float32
+  out = pl.pallas_call(
+      kernel, grid=(n // block_n, splits),
+      in_specs=[pl.BlockSpec((m, k), lambda j, s: (0, 0)), w_spec],
+      out_specs=pl.BlockSpec((None, m, block_n), lambda j, s: (s, 0, j)),
+      out_shape=jax.ShapeDtypeStruct((splits, m, n), out_dtype),
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=jax.default_backend() == "cpu" if interpret is None else interpret,
       name="skinny_matmul")(x, w)
+  return out[0] if splits == 1 else out.sum(axis=0).astype(x.dtype)
 
 
 def pallas_layer_step(x, wqkv, wo, wgu, wd, **kw):
@@ -150,11 +170,73 @@ def model_layer_step(x, layer, cos, sin, *, cfg, form):
   return x + jnp.einsum("bti,ih->bth", jax.nn.silu(gu[0]) * gu[1], layer.w_down)
 
 
+def sweep_configs(k, n, min_programs=120):
+  """skinny_matmul launch configurations worth timing for w [K, N]: 120-2000 programs."""
+  out = []
+  for transposed, block_ns in ((False, (64, 128, 256)), (True, (16, 32, 64))):
+    for bn in block_ns:
+      bk = (64 if bn >= 256 else 128) if not transposed else (256 if bn <= 32 else 128)
+      for s in (1, 2, 4, 8, 16):
+        programs = n // bn * s
+        if n % bn == 0 and k % (bk * s) == 0 and min_programs <= programs <= 2000:
+          out.append(dict(block_n=bn, block_k=bk, splits=s, transposed=transposed,
+                          num_warps=8 if bn * bk >= 256 * 64 and not transposed else 4))
+  return out
+
+
+def sweep(args, keys):
+  """Per GEMM of a layer and per row count: XLA vs every skinny_matmul configuration."""
+  d, f = args.hidden, args.intermediate
+  shapes = {"qkv": (d, args.qkv), "o": (d, d), "gate_up": (d, 2 * f), "down": (f, d)}
+  min_programs = 1 if args.smoke else 120
+  print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, "
+        f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
+  print(f"{'gemm':>8} {'M':>4} {'xla us':>8} {'GB/s':>6} {'best us':>8} {'GB/s':>6} {'x':>5}  config")
+  total = {}
+  for name, (k, n) in shapes.items():
+    w = (jax.random.normal(keys[1], (k, n), jnp.float32) * k ** -0.5).astype(jnp.bfloat16)
+    wt = jnp.asarray(w.T)
+    for m in args.rows:
+      x = (jax.random.normal(keys[0], (m, k), jnp.float32) * 0.1).astype(jnp.bfloat16)
+      # the step feeds a reduction of its output back into x, so nothing is loop-invariant
+      fb = lambda x, y: x + (y.astype(jnp.float32).sum(-1, keepdims=True) * 1e-6).astype(x.dtype)
+      rows = []
+      trips = 3 if args.smoke else 200  # fixed trip count: one compile per configuration
+      xla_s, _ = ba.time_loop(lambda x, w: fb(x, x @ w), x, (w,), args.round_ms, args.rounds,
+                              trips)
+      rows.append(dict(gemm=name, rows=m, impl="xla", us=xla_s * 1e6))
+      for cfg in sweep_configs(k, n, min_programs):
+        mm = functools.partial(skinny_matmul, **cfg)
+        try:
+          sec, _ = ba.time_loop(lambda x, w: fb(x, mm(x, w)), x,
+                                (wt if cfg["transposed"] else w,), args.round_ms, args.rounds,
+                                trips)
+        except Exception as e:  # pylint: disable=broad-except  (e.g. shared memory overflow)
+          print(f"  {name} M={m} {cfg}: {type(e).__name__}: {str(e)[:120]}")
+          continue
+        rows.append(dict(gemm=name, rows=m, impl="pallas", us=sec * 1e6, **cfg))
+      best = min(rows[1:], key=lambda r: r["us"], default=rows[0])
+      gb = lambda us: k * n * 2 / us / 1e3
+      cfg = {key: best[key] for key in ("block_n", "block_k", "splits", "transposed",
+                                        "num_warps") if key in best}
+      print(f"{name:>8} {m:>4} {rows[0]['us']:>8.1f} {gb(rows[0]['us']):>6.0f} {best['us']:>8.1f} "
+            f"{gb(best['us']):>6.0f} {rows[0]['us'] / best['us']:>5.2f}  {cfg}", flush=True)
+      t = total.setdefault(m, [0.0, 0.0])
+      t[0], t[1] = t[0] + rows[0]["us"], t[1] + best["us"]
+      if args.json_out:
+        with open(args.json_out, "a") as fh:
+          fh.writelines(json.dumps(r) + "\n" for r in rows)
+  for m, (xla_us, best_us) in total.items():
+    print(f"layer M={m}: xla {xla_us:.1f} us, best skinny_matmul per GEMM {best_us:.1f} us")
+
+
 def main(argv=None):
   args = parse_args(sys.argv[1:] if argv is None else argv)
   d, f, dh = args.hidden, args.intermediate, 128 if args.hidden >= 1024 else 16
   nq, nkv = d // dh, (args.qkv - d) // (2 * dh)
   keys = jax.random.split(jax.random.key(0), 5)
+  if args.sweep:
+    return sweep(args, keys)
   shapes = [(d, args.qkv), (d, d), (d, 2 * f), (f, d)]
   flat = [(jax.random.normal(k, s, jnp.float32) * s[0] ** -0.5).astype(jnp.bfloat16)
           for k, s in zip(keys[1:], shapes)]

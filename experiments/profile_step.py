@@ -28,6 +28,7 @@ if not _KEEP_GRAPHS:  # before jax initialises its backend (FLAGS are parsed lat
 import collections  # pylint: disable=g-import-not-at-top,wrong-import-position
 import glob
 import gzip
+import importlib
 import json
 import re
 import tempfile
@@ -44,6 +45,9 @@ flags.DEFINE_integer("prefix", 1024, "committed prefix length")
 flags.DEFINE_integer("top", 20, "kernels listed per run")
 flags.DEFINE_string("trace_dir", "", "keep the traces here (default: a temporary directory)")
 flags.DEFINE_bool("command_buffers", False, "keep XLA's CUDA graphs (their kernels are not traced)")
+flags.DEFINE_string("tree_attention", "",
+                    "override the Pallas launch rule for trees (T x G > 64), e.g. "
+                    "'num_splits=4,block_k=128': an A/B of the rule inside the real step")
 # --small, --steps, --attention (first entry) and --mesh_* are bench_step's flags
 FLAGS = flags.FLAGS
 
@@ -126,8 +130,31 @@ def read_trace(trace_dir: str) -> dict:
     return json.load(f)
 
 
+def override_tree_rule(spec: str):
+  """Patches tree_attention's default_config so trees (T x G > 64) use the launch parameters in
+  `spec` ("name=int,..." of block_k, num_splits, num_warps, num_stages); decode and the drafter
+  block keep the rule. Programs compiled afterwards see it."""
+  ta = importlib.import_module("ddtree_jax.pallas.tree_attention")  # the module, not the function
+  names = ("block_t", "block_k", "block_n", "num_splits", "num_warps", "num_stages")
+  override = {k: int(v) for k, v in (kv.split("=") for kv in spec.split(",") if kv)}
+  if not set(override) <= set(names[1:]) - {"block_n"}:
+    raise ValueError(f"--tree_attention takes block_k, num_splits, num_warps, num_stages: {spec}")
+  rule = ta.default_config
+
+  def patched(batch, t_len, hq, hkv, cap, head_dim, *, sm_count=None):
+    cfg = dict(zip(names, rule(batch, t_len, hq, hkv, cap, head_dim, sm_count=sm_count)))
+    if t_len * (hq // hkv) > 64:
+      cfg.update(override)
+      cfg["block_n"] = min(cfg["block_k"], max(16, ta._next_pow2(t_len)))  # as tree_attention
+    return tuple(cfg[n] for n in names)
+
+  ta.default_config = patched
+
+
 def main(_):
   small = FLAGS.small
+  if FLAGS.tree_attention:
+    override_tree_rule(FLAGS.tree_attention)
   bench_step.MESH = sharding.mesh_from_flags()
   tcfg = bench_step.qwen3_8b(small)
   tp = sharding.shard_params(model.init_params(tcfg, jax.random.key(0)), bench_step.MESH)
@@ -137,7 +164,8 @@ def main(_):
   steps, b, prefix = FLAGS.steps, FLAGS.batch, FLAGS.prefix
   root = FLAGS.trace_dir or tempfile.mkdtemp(prefix="ddtree_trace_")
   print(f"devices: {jax.devices()}  attention {attention}  batch {b}  prefix {prefix}  "
-        f"command buffers {'on' if _KEEP_GRAPHS else 'off'}  traces: {root}", flush=True)
+        f"command buffers {'on' if _KEEP_GRAPHS else 'off'}  tree rule override "
+        f"{FLAGS.tree_attention or 'none'}  traces: {root}", flush=True)
   for run in FLAGS.runs.split(","):
     method, budget = (run, 0) if run in ("ar", "chain") else ("ddtree", int(run))
     d = (None, None) if method == "ar" else (dp, dcfg)

@@ -265,7 +265,8 @@ def test_lowers_for_h200_other_shapes(b, t, hq, hkv, s, d, splits):
     (8, 1, 1280, 3),
     (8, 16, 8448, 3),
     (64, 1, 1280, 1),
-    (1, 17, 1057, 2),     # chain verify
+    (1, 17, 1057, 4),     # chain verify: < 32 programs per split, chunks of 256 keys
+    (1, 33, 1057, 4),     # B=32 at 1K: 4 splits, measured in the real step (seventh session)
     (1, 65, 1280, 2),     # B=64 at 1K: was 1 split, 2.1x slower on the H200
     (1, 129, 1280, 2),
     (1, 33, 8448, 8),     # long cache, few programs: chunks of ~1024 keys

@@ -187,13 +187,19 @@ def default_config(batch, t_len, hq, hkv, cap, head_dim, *, sm_count=None):
   # walks the tree's own keys; two balance that: 1.1-2.1x faster); two once a split has >= 128
   # programs; fewer programs want about 1.2 waves or, in long caches, chunks of about 1024 keys,
   # whichever splits more, but chunks of at least 512 keys (a second sweep: at a 1K prefix
-  # 4-5 splits were 1.2x slower than 2; cells within 20 % are run-to-run noise there).
+  # 4-5 splits were 1.2x slower than 2; cells within 20 % are run-to-run noise there) or, for
+  # trees of < 32 programs per split, 256 keys: measured inside the real B=32 step at a 1K prefix
+  # (kernel time summed over a traced loop, which is stable where the standalone sweep is not),
+  # 4 splits took the 36 layers' kernels from 477 to 327 us and the step from 6.687 to 6.630 ms
+  # with the bigger merge; at B=64 (40 programs) 4 splits were 0.02 ms slower (WORKSPACE.md,
+  # seventh session).
   if t_len * g <= 64:
     num_splits = max(1, min(pl.cdiv(sm, base), pl.cdiv(cap, block_k), 64))
   elif base >= 128:
     num_splits = 2
   else:
-    num_splits = max(2, min(max(pl.cdiv(6 * sm // 5, base), cap // 1024), cap // 512, 64))
+    min_chunk = 256 if base < 32 else 512
+    num_splits = max(2, min(max(pl.cdiv(6 * sm // 5, base), cap // 1024), cap // min_chunk, 64))
   num_warps = 4 if rows <= 64 else 8
   num_stages = 2 if block_k * head_dim >= 128 * 128 else 3
   return block_t, block_k, block_n, num_splits, num_warps, num_stages
