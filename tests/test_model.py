@@ -111,9 +111,22 @@ def test_gemm_bench_forms_compute_the_same_layer(tmp_path):
   xs = w(t, d)
   np.testing.assert_allclose(np.asarray(bench_gemm.pallas_layer_step(xs, *flat)),
                              np.asarray(bench_gemm.layer_step(xs, *flat)), rtol=1e-5, atol=1e-5)
+  # its split-K and transposed-weight variants (the --sweep configurations) too
+  for m, k, n in ((1, 256, 256), (5, 512, 256)):
+    xm, wm = w(m, k), w(k, n)
+    configs = bench_gemm.sweep_configs(k, n, min_programs=1)
+    assert {c["splits"] for c in configs} > {1} and {c["transposed"] for c in configs} == {False, True}
+    for c in configs:
+      got = bench_gemm.skinny_matmul(xm, wm.T if c["transposed"] else wm, **c)
+      np.testing.assert_allclose(np.asarray(got), np.asarray(xm @ wm), rtol=1e-5, atol=1e-5)
   out = tmp_path / "gemm.jsonl"
   bench_gemm.main(["--smoke", "--forms=flat,model,sbt,pallas", f"--json_out={out}"])
   rows = [json.loads(line) for line in out.read_text().splitlines()]
   want = {(m, form) for m in (1, 5) for form in ("flat", "model", "sbt", "pallas")}
   assert {(r["rows"], r["form"]) for r in rows} == want
   assert all(r["us"] > 0 for r in rows)
+  sweep = tmp_path / "sweep.jsonl"
+  bench_gemm.main(["--smoke", "--sweep", f"--json_out={sweep}"])
+  rows = [json.loads(line) for line in sweep.read_text().splitlines()]
+  assert {r["gemm"] for r in rows} == {"qkv", "o", "gate_up", "down"}
+  assert {r["impl"] for r in rows} == {"xla", "pallas"} and all(r["us"] > 0 for r in rows)
