@@ -9,14 +9,18 @@ One step is a layer without attention (bf16, random weights), in three forms:
   sbt:    the same layer with the einsums model.py used before 2026-11-30: k/v and gate/up
           stacked first ("sbtkd", "sbti"); model.py now puts that axis after the tokens.
   pallas: the flat layer with each matmul a Pallas (Triton) skinny GEMM, `skinny_matmul`: one
-          program per column block of W streams its [K, block_n] slab once, no split-K. An
+          program per column block of W streams its [K, block_n] slab once (no split-K here). An
           experiment: can a plain kernel read the weights faster than XLA's picks at 33-129 rows?
+--sweep instead times each GEMM of the layer alone, XLA's x @ w against ~20 skinny_matmul
+configurations (block_n, split-K into float32 partials, W stored [N, K]); on the H200 the best of
+them matched XLA within a few percent per layer (WORKSPACE.md, seventh session).
 Each runs n times in one jitted fori_loop (bench_attention.time_loop); the table gives us per
 layer and the weight bandwidth it reaches. The verify forward of budget B runs M = B + 1 rows per
 sequence, so this says which row counts (and layouts) the GEMM backend handles badly.
 
   python experiments/bench_gemm.py                  # H200, ~1 minute
   XLA_FLAGS=--xla_gpu_enable_triton_gemm=false python experiments/bench_gemm.py   # cuBLAS
+  python experiments/bench_gemm.py --sweep --rows=1,33,65   # per GEMM, ~90 s
   python experiments/bench_gemm.py --smoke          # tiny shapes on CPU
 """
 
