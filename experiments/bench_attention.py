@@ -78,7 +78,7 @@ def time_loop(step, carry0, consts, round_ms, rounds, n=None):
 
   The step runs n times inside one jit; n is static so XLA knows the trip count (no
   device->host predicate copy per iteration). n=None sizes it to ~round_ms from a timed single
-  step (one more compile); then the output is None.
+  step (one more compile, which also gives the output); a given n skips that (output None).
   """
   out = None
   if n is None:

@@ -60,3 +60,21 @@ def test_reads_a_real_cpu_trace(tmp_path):
   assert any(profile_step.kind(n) == "top-k / sort" for n, _ in ev)
   with pytest.raises(FileNotFoundError, match="no .*trace"):
     profile_step.read_trace(str(tmp_path / "empty"))
+
+
+def test_tree_rule_override_changes_trees_only():
+  """--tree_attention patches the kernel's launch rule for trees; decode keeps the rule."""
+  import importlib
+  ta = importlib.import_module("ddtree_jax.pallas.tree_attention")
+  rule = ta.default_config
+  try:
+    profile_step.override_tree_rule("num_splits=3,block_k=128")
+    tree = ta.default_config(1, 33, 32, 8, 1057, 128, sm_count=132)
+    assert (tree[1], tree[2], tree[3]) == (128, 64, 3)  # block_k, block_n, num_splits
+    assert ta.default_config(1, 1, 32, 8, 1057, 128, sm_count=132) == rule(
+        1, 1, 32, 8, 1057, 128, sm_count=132)
+  finally:
+    ta.default_config = rule
+  with pytest.raises(ValueError, match="block_k, num_splits"):
+    profile_step.override_tree_rule("block_n=32")
+  assert ta.default_config is rule
