@@ -188,24 +188,28 @@ def sweep_configs(k, n, min_programs=120):
   return out
 
 
+def gemm_shapes(args):
+  """The [K, N] of a layer's four weights, by name (the flat layer's order)."""
+  d, f = args.hidden, args.intermediate
+  return {"qkv": (d, args.qkv), "o": (d, d), "gate_up": (d, 2 * f), "down": (f, d)}
+
+
 def sweep(args, keys):
   """Per GEMM of a layer and per row count: XLA vs every skinny_matmul configuration."""
-  d, f = args.hidden, args.intermediate
-  shapes = {"qkv": (d, args.qkv), "o": (d, d), "gate_up": (d, 2 * f), "down": (f, d)}
   min_programs = 1 if args.smoke else 120
+  trips = 3 if args.smoke else 200  # fixed trip count: one compile per configuration
+  # the step feeds a reduction of its output back into x, so nothing is loop-invariant
+  fb = lambda x, y: x + (y.astype(jnp.float32).sum(-1, keepdims=True) * 1e-6).astype(x.dtype)
   print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, "
         f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
   print(f"{'gemm':>8} {'M':>4} {'xla us':>8} {'GB/s':>6} {'best us':>8} {'GB/s':>6} {'x':>5}  config")
   total = {}
-  for name, (k, n) in shapes.items():
+  for name, (k, n) in gemm_shapes(args).items():
     w = (jax.random.normal(keys[1], (k, n), jnp.float32) * k ** -0.5).astype(jnp.bfloat16)
     wt = jnp.asarray(w.T)
     for m in args.rows:
       x = (jax.random.normal(keys[0], (m, k), jnp.float32) * 0.1).astype(jnp.bfloat16)
-      # the step feeds a reduction of its output back into x, so nothing is loop-invariant
-      fb = lambda x, y: x + (y.astype(jnp.float32).sum(-1, keepdims=True) * 1e-6).astype(x.dtype)
       rows = []
-      trips = 3 if args.smoke else 200  # fixed trip count: one compile per configuration
       xla_s, _ = ba.time_loop(lambda x, w: fb(x, x @ w), x, (w,), args.round_ms, args.rounds,
                               trips)
       rows.append(dict(gemm=name, rows=m, impl="xla", us=xla_s * 1e6))
@@ -241,9 +245,8 @@ def main(argv=None):
   keys = jax.random.split(jax.random.key(0), 5)
   if args.sweep:
     return sweep(args, keys)
-  shapes = [(d, args.qkv), (d, d), (d, 2 * f), (f, d)]
   flat = [(jax.random.normal(k, s, jnp.float32) * s[0] ** -0.5).astype(jnp.bfloat16)
-          for k, s in zip(keys[1:], shapes)]
+          for k, s in zip(keys[1:], gemm_shapes(args).values())]
   # the same weights in model.py's shapes (a bitcast of the flat ones: identical bytes)
   ones = lambda n: jnp.ones((n,), jnp.bfloat16)
   layer = model.LayerParams(
