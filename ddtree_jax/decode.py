@@ -50,6 +50,11 @@ class LoopConfig:
       fn = tree_attention
     return fn if self.mesh is None else sharding.shard_attention(fn, self.mesh, self.rules)
 
+  @property
+  def embed_fn(self):
+    return model.embed_lookup if self.mesh is None else sharding.shard_embed_lookup(self.mesh,
+                                                                                    self.rules)
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
@@ -125,7 +130,7 @@ def verify_and_pick(tparams, tcfg, dcfg, lc: LoopConfig, state: DecodeState, tre
   taps_at = () if dcfg is None else dcfg.target_layer_ids
   logits, new_k, new_v, taps = verify.verify_tree(tparams, tcfg, state.cache, tree.tokens,
                                                   tree.depths, tree.visibility, taps_at,
-                                                  lc.attn_fn)
+                                                  lc.attn_fn, lc.embed_fn)
   return verify.pick(logits, lc.temperature, key, lc.top_k, lc.top_p), new_k, new_v, taps
 
 
@@ -140,7 +145,7 @@ def step(tparams, tcfg, dparams, dcfg, lc: LoopConfig, state: DecodeState) -> De
   key, pick_key = jax.random.split(state.key)
   logits = None
   if lc.method != "ar":
-    logits = dcfg.draft(dparams, tparams, state.draft_cache, state.bonus, lc.attn_fn)
+    logits = dcfg.draft(dparams, tparams, state.draft_cache, state.bonus, lc.attn_fn, lc.embed_fn)
   tree = make_tree(lc, logits, state.bonus)
   post, new_k, new_v, taps = verify_and_pick(tparams, tcfg, dcfg, lc, state, tree, pick_key)
   return accept_and_commit(dparams, dcfg, lc, state, tree, post, new_k, new_v, taps, key)
@@ -156,7 +161,8 @@ def prefill(tparams, dparams, tokens, lens, key, *, tcfg, dcfg, lc: LoopConfig, 
   positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
   taps_at = () if dcfg is None else dcfg.target_layer_ids
   hidden, new_k, new_v, taps = model.forward(tparams, tcfg, tokens, positions, cache,
-                                             model.causal_mask(lens, t), taps_at, lc.attn_fn)
+                                             model.causal_mask(lens, t), taps_at, lc.attn_fn,
+                                             lc.embed_fn)
   cache = model.commit(cache, new_k, new_v, positions, lens)
   draft_cache = None
   if dcfg is not None:

@@ -35,8 +35,9 @@ class DrafterConfig:
     return self.block_size - 1
 
   # The decode loop talks to a drafter only through these two methods (tests plug in oracles).
-  def draft(self, params, target_params, cache, bonus, attn_fn=attend_xla):
-    return draft_logits(params, self, target_params, cache, bonus, attn_fn)
+  def draft(self, params, target_params, cache, bonus, attn_fn=attend_xla,
+            embed_fn=model.embed_lookup):
+    return draft_logits(params, self, target_params, cache, bonus, attn_fn, embed_fn)
 
   def context(self, params, taps, positions):
     return context_kv(params, self, taps, positions)
@@ -69,14 +70,14 @@ def context_kv(params: DrafterParams, cfg: DrafterConfig, taps, positions):
 
 
 def draft_logits(params: DrafterParams, cfg: DrafterConfig, target_params: model.Params,
-                 cache: model.KVCache, bonus, attn_fn=attend_xla):
+                 cache: model.KVCache, bonus, attn_fn=attend_xla, embed_fn=model.embed_lookup):
   """One block of drafts. cache: drafter context K/V with lens = committed length (= block start);
   bonus [B] int32. Returns float32 logits [B, bs-1, V] for positions start+1..start+bs-1."""
   lc, bs = cfg.layers, cfg.block_size
   b = bonus.shape[0]
   block = jnp.concatenate([bonus[:, None].astype(jnp.int32),
                            jnp.full((b, bs - 1), cfg.mask_token_id, jnp.int32)], axis=1)
-  x = target_params.embed[block].astype(params.fc.dtype)
+  x = embed_fn(target_params.embed, block).astype(params.fc.dtype)
   positions = cache.lens[:, None] + jnp.arange(bs, dtype=jnp.int32)[None]
   cos, sin = model.rope_tables(lc, positions, x.dtype)
   full = jnp.ones((b, bs, bs), bool)

@@ -154,18 +154,26 @@ def mlp_block(layer, cfg, x):
   return x + jnp.einsum("bti,ih->bth", jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1], layer.w_down)
 
 
+def embed_lookup(table, tokens):
+  """Rows of the embedding table [V, H] for token ids [...] -> [..., H]. On a mesh the decode loop
+  uses `sharding.shard_embed_lookup` instead (same result, no all-gather of a vocab-split table)."""
+  return table[tokens]
+
+
 def forward(params: Params, cfg: ModelConfig, tokens, positions, cache: KVCache, new_mask,
-            tap_layers: tuple[int, ...] = (), attn_fn: Callable = attend_xla):
+            tap_layers: tuple[int, ...] = (), attn_fn: Callable = attend_xla,
+            embed_fn: Callable = embed_lookup):
   """Target forward of new tokens over the cached prefix (the cache is not modified).
 
   Args:
     tokens, positions: [B, T] int32. new_mask: [B, T, T] bool visibility among the new tokens.
     tap_layers: layer ids whose residual outputs are returned (HF hidden_states[id + 1]).
+    attn_fn, embed_fn: the attention and the embedding lookup (per-shard versions on a mesh).
   Returns:
     hidden [B, T, H] after the final norm; new_k, new_v: per layer [B, T, K, D];
     taps [B, T, len(tap_layers) * H] (concatenated in tap_layers order) or None.
   """
-  x = params.embed[tokens]
+  x = embed_fn(params.embed, tokens)
   cos, sin = rope_tables(cfg, positions, x.dtype)
   new_k, new_v, taps = [], [], {}
   for i, layer in enumerate(params.layers):

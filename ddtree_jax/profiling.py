@@ -38,7 +38,8 @@ def compile_stages(tparams, tcfg, dparams, dcfg, lc: decode.LoopConfig, state,
     seconds[name] = time.perf_counter() - t0
 
   key = jax.random.key(0)
-  draft = jax.jit(lambda dp, tp, st: dcfg.draft(dp, tp, st.draft_cache, st.bonus, lc.attn_fn))
+  draft = jax.jit(lambda dp, tp, st: dcfg.draft(dp, tp, st.draft_cache, st.bonus, lc.attn_fn,
+                                                 lc.embed_fn))
   tree = jax.jit(lambda logits, bonus: decode.make_tree(lc, logits, bonus))
   verify = jax.jit(lambda tp, st, tr: decode.verify_and_pick(tp, tcfg, dcfg, lc, st, tr, key))
   commit = jax.jit(lambda dp, st, *rest: decode.accept_and_commit(dp, dcfg, lc, st, *rest, key),

@@ -157,6 +157,24 @@ def test_index_sharded_and_tied_checkpoints_on_a_mesh():
   assert tp.params.lm_head is None and _laid_out(tp.params.embed, P("tp", None))
 
 
+@pytest.mark.parametrize("shape,batch", [({"dp": 1, "tp": 8}, 3), ({"dp": 2, "tp": 4}, 4),
+                                         ({"dp": 2, "tp": 4}, 3)])
+def test_shard_embed_lookup_equals_plain_lookup(shape, batch):
+  """The per-shard lookup in a vocab-split table returns exactly table[ids], every id from the
+  first to the last row (shard edges included), with the batch split over dp or not."""
+  mesh = sharding.make_mesh(shape)
+  vocab, hidden = 64, 16
+  table = jnp.asarray(np.random.default_rng(0).normal(size=(vocab, hidden)), jnp.bfloat16)
+  table = jax.device_put(table, NamedSharding(mesh, P("tp", None)))
+  ids = jnp.asarray(np.arange(batch * 7 * 5).reshape(batch, 7, 5) * 7 % vocab, jnp.int32)
+  ids = ids.at[0, 0, :2].set(jnp.asarray([0, vocab - 1]))
+  got = jax.jit(sharding.shard_embed_lookup(mesh))(table, ids)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(table)[np.asarray(ids)])
+  # one all-reduce of the rows, never an all-gather of the table
+  hlo = jax.jit(sharding.shard_embed_lookup(mesh)).lower(table, ids).compile().as_text()
+  assert "all-gather" not in hlo and "all-reduce" in hlo
+
+
 def test_global_ids_from_vocab_sharded_logits():
   mesh = sharding.make_mesh({"dp": 1, "tp": 8})
   logits = jnp.asarray(3 * np.random.default_rng(3).standard_normal((3, 7, 256)), jnp.float32)
