@@ -145,10 +145,15 @@ def step(tparams, tcfg, dparams, dcfg, lc: LoopConfig, state: DecodeState) -> De
   key, pick_key = jax.random.split(state.key)
   logits = None
   if lc.method != "ar":
-    logits = dcfg.draft(dparams, tparams, state.draft_cache, state.bonus, lc.attn_fn, lc.embed_fn)
-  tree = make_tree(lc, logits, state.bonus)
-  post, new_k, new_v, taps = verify_and_pick(tparams, tcfg, dcfg, lc, state, tree, pick_key)
-  return accept_and_commit(dparams, dcfg, lc, state, tree, post, new_k, new_v, taps, key)
+    with jax.named_scope("draft"):  # scopes name the stages in profiles (profile_step.py)
+      logits = dcfg.draft(dparams, tparams, state.draft_cache, state.bonus, lc.attn_fn,
+                          lc.embed_fn)
+  with jax.named_scope("tree"):
+    tree = make_tree(lc, logits, state.bonus)
+  with jax.named_scope("verify"):
+    post, new_k, new_v, taps = verify_and_pick(tparams, tcfg, dcfg, lc, state, tree, pick_key)
+  with jax.named_scope("accept_commit"):
+    return accept_and_commit(dparams, dcfg, lc, state, tree, post, new_k, new_v, taps, key)
 
 
 @functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "lc", "capacity"))

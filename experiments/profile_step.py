@@ -8,8 +8,10 @@ Same shapes and random weights as bench_step.py. Per run: compile, one warm-up l
 of --steps steps under jax.profiler with a Perfetto trace, which this script reads back (no
 TensorBoard needed): device kernels grouped by name and by kind (matmul, attention kernel,
 collective, top-k / sort, other fusion), microseconds per decode step and share of the kernel
-time.
-On CPU the "kernels" are the XLA thunks of the host trace.
+time, and by stage: each kernel's HLO op carries the named scope (draft, tree, verify,
+accept_commit) that decode.step puts around its stages, so the stages are timed inside the one
+fused step, not as separate programs (profiling.py). On CPU the "kernels" are the XLA thunks of
+the host trace.
 
 Kernels that XLA:GPU replays inside CUDA graphs (command buffers, on by default) are not traced one
 by one, so this script turns command buffers off (--xla_gpu_enable_command_buffer=) unless
@@ -43,7 +45,8 @@ flags.DEFINE_string("runs", "ar,32,64", "ar, chain or ddtree budgets")
 flags.DEFINE_integer("batch", 1, "batch size")
 flags.DEFINE_integer("prefix", 1024, "committed prefix length")
 flags.DEFINE_integer("top", 20, "kernels listed per run")
-flags.DEFINE_string("trace_dir", "", "keep the traces here (default: a temporary directory)")
+flags.DEFINE_string("trace_dir", "", "keep the traces (and each run's optimized HLO) here "
+                    "(default: a temporary directory)")
 flags.DEFINE_bool("command_buffers", False, "keep XLA's CUDA graphs (their kernels are not traced)")
 flags.DEFINE_string("tree_attention", "",
                     "override the Pallas launch rule for trees (T x G > 64), e.g. "
@@ -83,7 +86,8 @@ def kernel_events(trace: dict) -> list[tuple[str, float]]:
         r"xla (ops|modules)|steps|source", tname.get((e["pid"], e.get("tid")), "").lower())]
   else:
     picked = [e for e in complete if "hlo_op" in e.get("args", {})]
-  return [(e["name"], float(e["dur"])) for e in _leaves(picked)]
+  return [(e["name"], float(e["dur"]), e.get("args", {}).get("hlo_op", ""))
+          for e in _leaves(picked)]
 
 
 def _leaves(events):
@@ -109,7 +113,7 @@ def _leaves(events):
 def summarize(events, steps: int, top: int) -> tuple[list, list, float]:
   """(top kernels, kinds, total us per step); rows: (name or kind, calls/step, us/step, share)."""
   by_name, calls = collections.Counter(), collections.Counter()
-  for n, d in events:
+  for n, d, _ in events:
     by_name[n] += d
     calls[n] += 1
   total = sum(by_name.values())
@@ -119,6 +123,47 @@ def summarize(events, steps: int, top: int) -> tuple[list, list, float]:
   rows = [(n, calls[n] / steps, d / steps, d / total) for n, d in by_name.most_common(top)]
   kinds = [(k, None, d / steps, d / total) for k, d in by_kind.most_common()]
   return rows, kinds, total / steps
+
+
+STAGES = ("draft", "tree", "verify", "accept_commit")  # decode.step's named scopes
+
+
+def op_stages(hlo: str) -> dict[str, str]:
+  """Stage of every instruction of an optimized HLO text, from the named scope in its op_name
+  ("jit(decode_loop)/while/body/verify/..." -> "verify"; none of STAGES -> "loop"; no op_name at
+  all, as in a fusion XLA deduplicated across ops -> "?"). Keyed by the instruction name and by
+  the kernel name XLA:GPU gives it ("." -> "_", also its deduplicated_name); a kernel name shared
+  by instructions of different known stages maps to "mixed"."""
+  out = {}
+  for m in re.finditer(r"^\s*(?:ROOT )?%?([\w.\-]+) = [^\n]*", hlo, re.M):
+    line = m.group(0)
+    op = re.search(r'op_name="([^"]*)"', line)
+    stage = next((p for p in op.group(1).split("/") if p in STAGES), "loop") if op else "?"
+    dedup = re.search(r'deduplicated_name="([^"]*)"', line)
+    names = {m.group(1), m.group(1).replace(".", "_")}
+    if dedup:
+      names.add(dedup.group(1).replace(".", "_"))
+    for n in names:  # "?" neither overrides nor conflicts
+      prev = out.get(n, "?")
+      out[n] = stage if prev in ("?", stage) else prev if stage == "?" else "mixed"
+  return out
+
+
+def stage_table(events, stages: dict[str, str], steps: int) -> list[tuple[str, float, float]]:
+  """(stage, us per step, share) of the kernels, by their hlo_op (else their name) in `stages`.
+  Events come in stream order; a kernel of no known stage ("?": no op_name; or not in the HLO,
+  like a memcpy) belongs to the stage of the kernel before it, as stages run one after another;
+  "unattributed" only before the first known one."""
+  by_stage, last = collections.Counter(), "unattributed"
+  for name, d, op in events:
+    stage = stages.get(op) or stages.get(op.replace(".", "_")) or stages.get(name) or "?"
+    if stage == "?":
+      stage = last
+    by_stage[stage] += d
+    last = stage
+  total = sum(by_stage.values()) or 1.0
+  order = STAGES + ("loop", "mixed", "unattributed")
+  return [(s, by_stage[s] / steps, by_stage[s] / total) for s in order if s in by_stage]
 
 
 def read_trace(trace_dir: str) -> dict:
@@ -178,10 +223,17 @@ def main(_):
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
       out = jax.block_until_ready(loop(tp, d[0], st))
     n = int(out.step)
-    rows, kinds, total = summarize(kernel_events(read_trace(trace_dir)), n, FLAGS.top)
+    hlo = loop.as_text()
+    with open(os.path.join(trace_dir, "decode_loop.hlo.txt"), "w") as f:  # names in the trace
+      f.write(hlo)
+    events = kernel_events(read_trace(trace_dir))
+    rows, kinds, total = summarize(events, n, FLAGS.top)
     name = method if method != "ddtree" else f"ddtree B={budget}"
     print(f"\n== {name}: step {step_s * 1e3:.3f} ms untraced, kernels {total / 1e3:.3f} ms per "
           f"step ({n} steps traced, compile {compile_s:.1f} s)")
+    print(f"{'stage (named scope)':<40}{'us/step':>10}{'share':>8}")
+    for k, us, share in stage_table(events, op_stages(hlo), n):
+      print(f"{k:<40}{us:>10.1f}{share:>8.1%}")
     print(f"{'kind':<40}{'us/step':>10}{'share':>8}")
     for k, _, us, share in kinds:
       print(f"{k:<40}{us:>10.1f}{share:>8.1%}")

@@ -15,7 +15,7 @@ def _gpu_trace():
   m = lambda pid, tid, what, name: {"ph": "M", "pid": pid, "tid": tid, "name": what,
                                     "args": {"name": name}}
   x = lambda pid, tid, name, ts, dur: {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": ts,
-                                       "dur": dur}
+                                       "dur": dur, "args": {"hlo_op": name + ".op"}}
   return {"traceEvents": [
       m(1, 0, "process_name", "/host:CPU"), m(2, 0, "process_name", "/device:GPU:0"),
       m(2, 7, "thread_name", "Stream #14(Compute)"), m(2, 8, "thread_name", "XLA Ops"),
@@ -30,9 +30,11 @@ def _gpu_trace():
 
 def test_kernel_events_take_gpu_streams_only_and_kinds():
   ev = profile_step.kernel_events(_gpu_trace())
-  assert sorted(ev) == sorted([("triton_gemm_dot_1", 10.0), ("triton_gemm_dot_1", 10.0),
-                               ("tree_attention", 5.0), ("ncclDevKernel_AllReduce_Sum_bf16", 4.0),
-                               ("sort_topk_fusion", 1.0), ("loop_add_fusion", 10.0)])
+  assert sorted((n, d) for n, d, _ in ev) == sorted([
+      ("triton_gemm_dot_1", 10.0), ("triton_gemm_dot_1", 10.0), ("tree_attention", 5.0),
+      ("ncclDevKernel_AllReduce_Sum_bf16", 4.0), ("sort_topk_fusion", 1.0),
+      ("loop_add_fusion", 10.0)])
+  assert all(op == n + ".op" for n, _, op in ev)
   rows, kinds, per_step = profile_step.summarize(ev, steps=2, top=2)
   assert per_step == pytest.approx(20.0)
   assert rows[0] == ("triton_gemm_dot_1", 1.0, 10.0, pytest.approx(0.5))
@@ -45,8 +47,8 @@ def test_enclosing_events_are_not_counted_twice():
                              "args": {"hlo_op": name}}
   trace = {"traceEvents": [x("while.1", 0, 100), x("fusion.1", 10, 30), x("fusion.2", 50, 20),
                            x("fusion.3", 65, 10)]}  # overlaps fusion.2 (PDL) without nesting
-  assert sorted(profile_step.kernel_events(trace)) == [("fusion.1", 30.0), ("fusion.2", 20.0),
-                                                      ("fusion.3", 10.0)]
+  assert sorted(profile_step.kernel_events(trace)) == [
+      ("fusion.1", 30.0, "fusion.1"), ("fusion.2", 20.0, "fusion.2"), ("fusion.3", 10.0, "fusion.3")]
 
 
 def test_reads_a_real_cpu_trace(tmp_path):
@@ -56,8 +58,8 @@ def test_reads_a_real_cpu_trace(tmp_path):
   with jax.profiler.trace(str(tmp_path), create_perfetto_trace=True):
     jax.block_until_ready(f(a))
   ev = profile_step.kernel_events(profile_step.read_trace(str(tmp_path)))
-  assert ev and all(d >= 0 for _, d in ev)
-  assert any(profile_step.kind(n) == "top-k / sort" for n, _ in ev)
+  assert ev and all(d >= 0 for _, d, _ in ev)
+  assert any(profile_step.kind(n) == "top-k / sort" for n, _, _ in ev)
   with pytest.raises(FileNotFoundError, match="no .*trace"):
     profile_step.read_trace(str(tmp_path / "empty"))
 
@@ -78,3 +80,45 @@ def test_tree_rule_override_changes_trees_only():
   with pytest.raises(ValueError, match="block_k, num_splits"):
     profile_step.override_tree_rule("block_n=32")
   assert ta.default_config is rule
+
+
+def test_stage_table_attributes_kernels_to_named_scopes(tmp_path):
+  """Kernels are timed per decode stage through the named scope in their HLO op's metadata."""
+  def f(a):
+    with jax.named_scope("tree"):
+      s = jnp.sort(a, axis=-1)
+    with jax.named_scope("verify"):
+      return jnp.tanh(s @ a.T)
+  g = jax.jit(f).lower(jnp.ones((128, 128))).compile()
+  stages = profile_step.op_stages(g.as_text())
+  assert {"tree", "verify"} <= set(stages.values())
+  a = jax.random.normal(jax.random.key(0), (128, 128))
+  jax.block_until_ready(g(a))
+  with jax.profiler.trace(str(tmp_path), create_perfetto_trace=True):
+    jax.block_until_ready(g(a))
+  table = profile_step.stage_table(profile_step.kernel_events(profile_step.read_trace(
+      str(tmp_path))), stages, steps=1)
+  names = [s for s, _, _ in table]
+  assert "tree" in names and "verify" in names, table
+  assert sum(share for _, _, share in table) == pytest.approx(1.0)
+  # made-up kernels, by name and by op: a kernel of no known stage joins the one before it
+  fake = [("mystery_kernel", 3.0, ""), ("x", 1.0, "fusion.7"), ("MemcpyD2D", 2.0, ""),
+          ("y", 2.0, "gemm.1"), ("z", 2.0, "fusion.9")]
+  assert profile_step.stage_table(fake, {"fusion_7": "draft", "gemm_1": "?", "fusion.9": "tree"},
+                                  steps=2) == [("draft", 2.5, 0.5), ("tree", 1.0, 0.2),
+                                               ("unattributed", 1.5, 0.3)]
+
+
+def test_op_stages_reads_scopes_and_deduplicated_fusions():
+  hlo = """
+  %fusion.3 = f32[2] fusion(%p), calls=%c, metadata={op_name="jit(f)/while/body/tree/sort"}
+  %gemm.4 = f32[2] fusion(%p), calls=%d, metadata={op_name="jit(f)/while/body/verify/dot" deduplicated_name="gemm.4"}
+  %gemm.5 = f32[2] fusion(%p), calls=%d, metadata={deduplicated_name="gemm.4"}
+  ROOT %add.6 = f32[2] add(%p, %p), metadata={op_name="jit(f)/while/body/add"}
+  %fusion.7 = f32[2] fusion(%p), calls=%e, metadata={op_name="jit(f)/draft/x" deduplicated_name="fusion.3"}
+"""
+  st = profile_step.op_stages(hlo)
+  assert st["fusion.3"] == "tree" and st["fusion_7"] == "draft"
+  assert st["fusion_3"] == "mixed"  # the kernel name of both fusion.3 and fusion.7
+  assert st["gemm.4"] == "verify" and st["gemm.5"] == "?" and st["gemm_4"] == "verify"
+  assert st["add.6"] == "loop"
