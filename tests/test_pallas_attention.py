@@ -160,6 +160,27 @@ def test_fully_masked_rows_are_zero_not_nan():
                   np.delete(np.asarray(_reference(*args, scale=0.125)), 2, axis=1), 1e-5)
 
 
+def test_merge_splits_equals_the_softmax_weighted_mean():
+  """The one-reduction merge equals exp-weighting the splits by their log-sum-exp, with splits
+  that saw no key (lse NEG_INF, o 0) ignored and a row no split saw giving 0."""
+  from ddtree_jax.pallas.tree_attention import NEG_INF, merge_splits
+  rng = np.random.default_rng(5)
+  o = rng.normal(size=(2, 5, 3, 4, 8)).astype(np.float32)
+  lse = (rng.normal(size=(2, 5, 3, 4)) * 30).astype(np.float32)  # spreads beyond exp's range
+  lse[0, 1:3, 0, 0] = NEG_INF
+  o[0, 1:3, 0, 0] = 0.0
+  lse[1, :, 2, 3] = NEG_INF  # a row that saw nothing
+  o[1, :, 2, 3] = 0.0
+  w = np.exp(lse - lse.max(axis=1, keepdims=True).astype(np.float64))
+  want = (o * w[..., None]).sum(axis=1) / w.sum(axis=1)[..., None]
+  got = np.asarray(merge_splits(jnp.asarray(o), jnp.asarray(lse)))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  assert np.all(got[1, 2, 3] == 0.0)
+  keep = [0, 3, 4]  # the splits of row (0, 0, 0) that saw keys
+  np.testing.assert_allclose(got[0, 0, 0], (o[0, keep, 0, 0] * w[0, keep, 0, 0, None]).sum(0)
+                             / w[0, keep, 0, 0].sum(), rtol=1e-5)
+
+
 def test_stacked_layer_caches_equal_one_layer():
   """A KVCache holds every layer in one [L, B, Hkv, S, D] array and attention reads layer `layer`
   in place: same output as the layer's own [B, Hkv, S, D] caches, in both implementations."""

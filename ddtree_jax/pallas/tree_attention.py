@@ -16,7 +16,8 @@ Layout of the work
   its chunk in blocks of ``block_k`` keys (a loop whose trip count depends on ``prefix_len``) with an
   online softmax in float32.
 * The last split also walks the new keys (blocks of ``block_n``) under ``new_mask``.
-* Each split writes a normalised partial output and its log-sum-exp; a cheap jnp merge combines them.
+* Each split writes a normalised partial output and its log-sum-exp; ``merge_splits`` (one XLA
+  reduction) combines them.
   With one split the kernel writes the final output directly.
 
 Grid: ``(row_blocks, num_splits, B, Hkv)``. The row-block axis varies fastest in launch order, so
@@ -310,11 +311,27 @@ def tree_attention(q, k_cache, v_cache, prefix_len, k_new, v_new, new_mask, *, s
 
   if ns == 1:
     return out
-  # Log-sum-exp merge of the splits. The max split has weight 1, so the denominator is >= 1.
-  o, lse = out
-  w = jnp.exp(lse - lse.max(axis=1, keepdims=True))                # [B, P, T, Hq]
-  merged = (o * w[..., None]).sum(axis=1) / w.sum(axis=1)[..., None]
-  return merged.astype(q.dtype)
+  return merge_splits(*out).astype(q.dtype)
+
+
+def merge_splits(o, lse):
+  """Log-sum-exp merge of split-K partials: o [B, P, T, Hq, D] (each normalised over its split),
+  lse [B, P, T, Hq] (NEG_INF where a split saw no key) -> [B, T, Hq, D] float32.
+
+  One variadic reduction over P carrying (running max, weighted sum, weight) per element, the
+  online-softmax combine, so XLA:GPU emits one kernel; max-then-exp-then-sum was two (an exp
+  fusion, then the weighted sum: 1.1 + 1.9 us per layer in a B=32 step on an H200). A split that
+  saw no key weighs exp(NEG_INF - max) = 0 next to one that did; a row no split saw gives 0."""
+  def combine(x, y):
+    (m1, a1, l1), (m2, a2, l2) = x, y
+    m = jnp.maximum(m1, m2)
+    e1, e2 = jnp.exp(m1 - m), jnp.exp(m2 - m)
+    return m, a1 * e1 + a2 * e2, l1 * e1 + l2 * e2
+
+  init = (jnp.float32(NEG_INF), jnp.float32(0), jnp.float32(0))
+  m = jnp.broadcast_to(lse[..., None], o.shape)
+  _, acc, weight = lax.reduce((m, o, jnp.ones_like(o)), init, combine, (1,))
+  return acc / weight
 
 
 def attention_config(q_shape, cache_shape, *, sm_count=None):
@@ -326,4 +343,4 @@ def attention_config(q_shape, cache_shape, *, sm_count=None):
                                         sm_count=sm_count or _device_sm_count())))
 
 
-__all__ = ["tree_attention", "attention_config", "default_config", "NEG_INF"]
+__all__ = ["tree_attention", "attention_config", "default_config", "merge_splits", "NEG_INF"]
