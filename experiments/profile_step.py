@@ -8,9 +8,9 @@ Same shapes and random weights as bench_step.py. Per run: compile, one warm-up l
 of --steps steps under jax.profiler with a Perfetto trace, which this script reads back (no
 TensorBoard needed): device kernels grouped by name and by kind (matmul, attention kernel,
 collective, top-k / sort, other fusion), microseconds per decode step and share of the kernel
-time, and by stage: each kernel's HLO op carries the named scope (draft, tree, verify,
-accept_commit) that decode.step puts around its stages, so the stages are timed inside the one
-fused step, not as separate programs (profiling.py). On CPU the "kernels" are the XLA thunks of
+time, and by stage (split by kind again): each kernel's HLO op carries the named scope (draft,
+tree, verify, accept_commit) that decode.step puts around its stages, so the stages are timed
+inside the one fused step, not as separate programs (profiling.py). On CPU the "kernels" are the XLA thunks of
 the host trace.
 
 Kernels that XLA:GPU replays inside CUDA graphs (command buffers, on by default) are not traced one
@@ -149,21 +149,22 @@ def op_stages(hlo: str) -> dict[str, str]:
   return out
 
 
-def stage_table(events, stages: dict[str, str], steps: int) -> list[tuple[str, float, float]]:
-  """(stage, us per step, share) of the kernels, by their hlo_op (else their name) in `stages`.
-  Events come in stream order; a kernel of no known stage ("?": no op_name; or not in the HLO,
-  like a memcpy) belongs to the stage of the kernel before it, as stages run one after another;
-  "unattributed" only before the first known one."""
-  by_stage, last = collections.Counter(), "unattributed"
+def stage_table(events, stages: dict[str, str], steps: int) -> list[tuple[str, float, float, dict]]:
+  """(stage, us per step, share, {kind: us per step}) of the kernels, by their hlo_op (else their
+  name) in `stages`. Events come in stream order; a kernel of no known stage ("?": no op_name; or
+  not in the HLO, like a memcpy) belongs to the stage of the kernel before it, as stages run one
+  after another; "unattributed" only before the first known one."""
+  by_stage, last = collections.defaultdict(collections.Counter), "unattributed"
   for name, d, op in events:
     stage = stages.get(op) or stages.get(op.replace(".", "_")) or stages.get(name) or "?"
     if stage == "?":
       stage = last
-    by_stage[stage] += d
+    by_stage[stage][kind(name)] += d
     last = stage
-  total = sum(by_stage.values()) or 1.0
+  total = sum(sum(c.values()) for c in by_stage.values()) or 1.0
   order = STAGES + ("loop", "mixed", "unattributed")
-  return [(s, by_stage[s] / steps, by_stage[s] / total) for s in order if s in by_stage]
+  return [(s, sum(by_stage[s].values()) / steps, sum(by_stage[s].values()) / total,
+           {k: us / steps for k, us in by_stage[s].items()}) for s in order if s in by_stage]
 
 
 def read_trace(trace_dir: str) -> dict:
@@ -231,9 +232,12 @@ def main(_):
     name = method if method != "ddtree" else f"ddtree B={budget}"
     print(f"\n== {name}: step {step_s * 1e3:.3f} ms untraced, kernels {total / 1e3:.3f} ms per "
           f"step ({n} steps traced, compile {compile_s:.1f} s)")
-    print(f"{'stage (named scope)':<40}{'us/step':>10}{'share':>8}")
-    for k, us, share in stage_table(events, op_stages(hlo), n):
-      print(f"{k:<40}{us:>10.1f}{share:>8.1%}")
+    cols = [k for k, _ in KINDS] + ["other"]
+    print(f"{'stage (named scope)':<20}{'us/step':>10}{'share':>8}"
+          + "".join(f"{c.split(' ')[0]:>12}" for c in cols))
+    for k, us, share, kinds_us in stage_table(events, op_stages(hlo), n):
+      print(f"{k:<20}{us:>10.1f}{share:>8.1%}"
+            + "".join(f"{kinds_us.get(c, 0.0):>12.1f}" for c in cols))
     print(f"{'kind':<40}{'us/step':>10}{'share':>8}")
     for k, _, us, share in kinds:
       print(f"{k:<40}{us:>10.1f}{share:>8.1%}")

@@ -98,15 +98,17 @@ def test_stage_table_attributes_kernels_to_named_scopes(tmp_path):
     jax.block_until_ready(g(a))
   table = profile_step.stage_table(profile_step.kernel_events(profile_step.read_trace(
       str(tmp_path))), stages, steps=1)
-  names = [s for s, _, _ in table]
+  names = [s for s, _, _, _ in table]
   assert "tree" in names and "verify" in names, table
-  assert sum(share for _, _, share in table) == pytest.approx(1.0)
+  assert sum(share for _, _, share, _ in table) == pytest.approx(1.0)
+  assert all(sum(kinds.values()) == pytest.approx(us) for _, us, _, kinds in table)
   # made-up kernels, by name and by op: a kernel of no known stage joins the one before it
   fake = [("mystery_kernel", 3.0, ""), ("x", 1.0, "fusion.7"), ("MemcpyD2D", 2.0, ""),
-          ("y", 2.0, "gemm.1"), ("z", 2.0, "fusion.9")]
+          ("gemm_y", 2.0, "gemm.1"), ("z", 2.0, "fusion.9")]
   assert profile_step.stage_table(fake, {"fusion_7": "draft", "gemm_1": "?", "fusion.9": "tree"},
-                                  steps=2) == [("draft", 2.5, 0.5), ("tree", 1.0, 0.2),
-                                               ("unattributed", 1.5, 0.3)]
+                                  steps=2) == [
+      ("draft", 2.5, 0.5, {"other": 1.5, "matmul": 1.0}), ("tree", 1.0, 0.2, {"other": 1.0}),
+      ("unattributed", 1.5, 0.3, {"other": 1.5})]
 
 
 def test_op_stages_reads_scopes_and_deduplicated_fusions():
