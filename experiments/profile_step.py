@@ -10,8 +10,8 @@ TensorBoard needed): device kernels grouped by name and by kind (matmul, attenti
 collective, top-k / sort, other fusion), microseconds per decode step and share of the kernel
 time, and by stage (split by kind again): each kernel's HLO op carries the named scope (draft,
 tree, verify, accept_commit) that decode.step puts around its stages, so the stages are timed
-inside the one fused step, not as separate programs (profiling.py). On CPU the "kernels" are the XLA thunks of
-the host trace.
+inside the one fused step, not as separate programs (profiling.py). On CPU the "kernels" are
+the XLA thunks of the host trace.
 
 Kernels that XLA:GPU replays inside CUDA graphs (command buffers, on by default) are not traced one
 by one, so this script turns command buffers off (--xla_gpu_enable_command_buffer=) unless
@@ -68,10 +68,11 @@ def kind(name: str) -> str:
   return next((k for k, pat in KINDS if re.search(pat, low)), "other")
 
 
-def kernel_events(trace: dict) -> list[tuple[str, float]]:
-  """(name, microseconds) of the device kernels of a Perfetto/Chrome trace: the GPU stream
-  threads (not the XLA Ops / Modules summary lines); without a GPU, the host's XLA ops. Events
-  that enclose others on their thread (a while loop around its body) are dropped."""
+def kernel_events(trace: dict) -> list[tuple[str, float, str]]:
+  """(name, microseconds, HLO op or "") of the device kernels of a Perfetto/Chrome trace, in
+  stream order: the GPU stream threads (not the XLA Ops / Modules summary lines); without a GPU,
+  the host's XLA ops. Events that enclose others on their thread (a while loop around its body)
+  are dropped."""
   events = trace["traceEvents"] if isinstance(trace, dict) else trace
   meta = lambda what: {(e["pid"], e.get("tid")) if what == "thread_name" else e["pid"]:
                        e.get("args", {}).get("name", "") for e in events

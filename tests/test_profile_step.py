@@ -48,7 +48,8 @@ def test_enclosing_events_are_not_counted_twice():
   trace = {"traceEvents": [x("while.1", 0, 100), x("fusion.1", 10, 30), x("fusion.2", 50, 20),
                            x("fusion.3", 65, 10)]}  # overlaps fusion.2 (PDL) without nesting
   assert sorted(profile_step.kernel_events(trace)) == [
-      ("fusion.1", 30.0, "fusion.1"), ("fusion.2", 20.0, "fusion.2"), ("fusion.3", 10.0, "fusion.3")]
+      ("fusion.1", 30.0, "fusion.1"), ("fusion.2", 20.0, "fusion.2"),
+      ("fusion.3", 10.0, "fusion.3")]
 
 
 def test_reads_a_real_cpu_trace(tmp_path):
