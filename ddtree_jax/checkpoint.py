@@ -270,10 +270,11 @@ def drafter_config_from_hf(cfg: dict[str, Any], target: ModelConfig):
                        target_layer_ids=ids)
 
 
-def load_drafter(path: str, target: Target, dtype=None) -> Drafter:
+def load_drafter(path: str, target: Target, dtype=None, int8: bool = False) -> Drafter:
   """Loads a z-lab-format DFlash drafter directory for `target` (dtype defaults to the target's).
-  On a sharded target the drafter is sharded on the same mesh with the same rules."""
-  from ddtree_jax.drafter import DrafterParams  # pylint: disable=import-outside-toplevel
+  On a sharded target the drafter is sharded on the same mesh with the same rules.
+  int8=True: a weight-only int8 drafter with its own int8 lm_head (`drafter.quantize_int8`)."""
+  from ddtree_jax.drafter import DrafterParams, quantize_int8  # pylint: disable=import-outside-toplevel
   cfg = drafter_config_from_hf(read_config(path), target.config)
   dtype = target.dtype if dtype is None else parse_dtype(dtype)
   r = TensorReader(read_checkpoint_tensors(path), path)
@@ -285,6 +286,8 @@ def load_drafter(path: str, target: Target, dtype=None) -> Drafter:
       final_norm=r.get("norm.weight", (h,)),
   )
   params = _place_sharded(host, dtype, target.mesh, target.rules)
+  if int8:
+    params = sharding.shard_params(quantize_int8(params, target.params), target.mesh, target.rules)
   return Drafter(params=params, config=cfg, path=path)
 
 
@@ -453,6 +456,8 @@ def save_drafter_hf(path: str, params, dcfg, num_target_layers: int, dtype="bflo
   dflash_config.{mask_token_id, target_layer_ids}, num_target_layers; model.safetensors with
   fc / hidden_norm / norm / layers.{i}.*): the exact inverse of `load_drafter`."""
   lc = dcfg.layers
+  if params.lm_head is not None:
+    raise ValueError("an int8-quantized drafter cannot be saved; save the float drafter it came from")
   dt = np.dtype(parse_dtype(dtype))
   dtype_name = {np.dtype(jnp.bfloat16): "bfloat16", np.dtype(np.float32): "float32",
                 np.dtype(np.float16): "float16"}[dt]

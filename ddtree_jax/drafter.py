@@ -6,6 +6,9 @@ position) give context K/V rows, kept in a per-layer cache that grows by the acc
 Block: target embeddings of [bonus, MASK x (bs-1)] at positions start..start+bs-1, queries from the
 block only, non-causal over [context; block]. Output slot j (1..bs-1) is the distribution of the
 token AT position start+j: the drafter's final norm, then the target's lm_head.
+
+`quantize_int8` makes a weight-only int8 drafter (its matrices and its own int8 copy of the lm_head):
+half the bytes a draft reads. Only the drafts change; the output is still the target's.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ class DrafterParams:
   hidden_norm: Array              # [H]
   layers: list[model.LayerParams]
   final_norm: Array               # [H]
+  lm_head: model.Int8Weight | None = None  # [H, V] own int8 copy of the target's (None: share it)
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -63,7 +67,8 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> t
 def context_kv(params: DrafterParams, cfg: DrafterConfig, taps, positions):
   """Fused context rows -> per-layer K/V. taps [B, R, k*H], positions [B, R] -> lists [B, R, K, D]."""
   lc = cfg.layers
-  ctx = model.rms_norm(taps.astype(params.fc.dtype) @ params.fc, params.hidden_norm, lc.rms_norm_eps)
+  x = taps.astype(params.hidden_norm.dtype)
+  ctx = model.rms_norm(model.dense("bri,ih->brh", x, params.fc), params.hidden_norm, lc.rms_norm_eps)
   cos, sin = model.rope_tables(lc, positions, ctx.dtype)
   kv = [model.project_kv(layer, lc, ctx, cos, sin) for layer in params.layers]
   return [k for k, _ in kv], [v for _, v in kv]
@@ -77,7 +82,7 @@ def draft_logits(params: DrafterParams, cfg: DrafterConfig, target_params: model
   b = bonus.shape[0]
   block = jnp.concatenate([bonus[:, None].astype(jnp.int32),
                            jnp.full((b, bs - 1), cfg.mask_token_id, jnp.int32)], axis=1)
-  x = embed_fn(target_params.embed, block).astype(params.fc.dtype)
+  x = embed_fn(target_params.embed, block).astype(params.hidden_norm.dtype)
   positions = cache.lens[:, None] + jnp.arange(bs, dtype=jnp.int32)[None]
   cos, sin = model.rope_tables(lc, positions, x.dtype)
   full = jnp.ones((b, bs, bs), bool)
@@ -86,4 +91,17 @@ def draft_logits(params: DrafterParams, cfg: DrafterConfig, target_params: model
                                     full, attn_fn, cache_layer=i)
     x = model.mlp_block(layer, lc, x)
   hidden = model.rms_norm(x[:, 1:], params.final_norm, lc.rms_norm_eps)
+  if params.lm_head is not None:
+    return model.dense("bjh,hv->bjv", hidden, params.lm_head, jnp.float32)
   return model.lm_head(target_params, hidden.astype(target_params.embed.dtype))
+
+
+def quantize_int8(params: DrafterParams, target_params: model.Params) -> DrafterParams:
+  """Weight-only int8 drafter: fc and every layer's matrices, per output channel, plus an int8
+  copy of the target's lm_head ([H, V], from the tied embedding when there is no lm_head) that
+  only the drafter reads. Norms stay in their dtype; activations stay in it too."""
+  q = model.quantize_int8
+  layers = [dataclasses.replace(l, wq=q(l.wq), wkv=q(l.wkv), wo=q(l.wo, 2), w_gate_up=q(l.w_gate_up),
+                                w_down=q(l.w_down)) for l in params.layers]
+  head = target_params.embed.T if target_params.lm_head is None else target_params.lm_head
+  return dataclasses.replace(params, fc=q(params.fc), layers=layers, lm_head=q(head))

@@ -21,7 +21,41 @@ Array = jax.Array
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
+class Int8Weight:
+  """A weight-only int8 matrix (drafters only): w ~= q * scale.
+
+  q has the float weight's layout [in..., out...]; scale [out...] holds one float32 per output
+  channel (the trailing dims), so it multiplies the matmul's output, not the weight."""
+  q: Array                 # int8
+  scale: Array             # float32
+
+  @property
+  def shape(self):
+    return self.q.shape
+
+
+def quantize_int8(w, num_in: int = 1) -> Int8Weight:
+  """Symmetric per-output-channel int8 of w [in... (num_in dims), out...] (round to nearest)."""
+  wf = jnp.asarray(w, jnp.float32)
+  amax = jnp.max(jnp.abs(wf), axis=tuple(range(num_in)))
+  scale = jnp.where(amax > 0, amax / 127.0, 1.0)
+  return Int8Weight(q=jnp.clip(jnp.round(wf / scale), -127, 127).astype(jnp.int8), scale=scale)
+
+
+def dense(spec, x, w, out_dtype=None):
+  """einsum(spec, x, w) in x's dtype (or out_dtype). For an Int8Weight the int8 values are cast
+  inside the matmul (XLA fuses the convert into the GEMM, which then reads one byte per weight)
+  and the scale multiplies the float32 output."""
+  if isinstance(w, Int8Weight):
+    y = einsum_f32(spec, x, w.q.astype(x.dtype)) * w.scale
+    return y.astype(out_dtype or x.dtype)
+  return jnp.einsum(spec, x, w) if out_dtype is None else einsum_f32(spec, x, w).astype(out_dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
 class LayerParams:
+  """One decoder layer; a drafter's five matrices may be Int8Weights (`drafter.quantize_int8`)."""
   input_norm: Array        # [H]
   wq: Array                # [H, N, D]
   wkv: Array               # [H, 2, K, D]  (k, v)
@@ -115,7 +149,7 @@ def apply_rope(x, cos, sin):
 # it every step (2x slower).
 def project_qkv(layer: LayerParams, cfg: ModelConfig, h, cos, sin):
   """Normed input h [B, T, H] -> q [B, T, N, D], k, v [B, T, K, D] (q/k normed and RoPE'd)."""
-  q = jnp.einsum("bth,hnd->btnd", h, layer.wq)
+  q = dense("bth,hnd->btnd", h, layer.wq)
   k, v = project_kv(layer, cfg, h, cos, sin)
   if layer.q_norm is not None:
     q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
@@ -124,7 +158,7 @@ def project_qkv(layer: LayerParams, cfg: ModelConfig, h, cos, sin):
 
 def project_kv(layer: LayerParams, cfg: ModelConfig, h, cos, sin):
   """h [B, T, H] -> k, v [B, T, K, D]; k normed (Qwen3) and RoPE'd."""
-  kv = jnp.einsum("bth,hskd->btskd", h, layer.wkv)
+  kv = dense("bth,hskd->btskd", h, layer.wkv)
   k, v = kv[:, :, 0], kv[:, :, 1]
   if layer.k_norm is not None:
     k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
@@ -145,13 +179,13 @@ def attention_block(layer, cfg, x, cos, sin, k_cache, v_cache, prefix_len, new_m
 
 def output_projection(layer: LayerParams, o):
   """Attention output o [B, T, N, D] -> [B, T, H]."""
-  return jnp.einsum("btnd,ndh->bth", o, layer.wo)
+  return dense("btnd,ndh->bth", o, layer.wo)
 
 
 def mlp_block(layer, cfg, x):
   h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
-  gu = jnp.einsum("bth,hsi->btsi", h, layer.w_gate_up)
-  return x + jnp.einsum("bti,ih->bth", jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1], layer.w_down)
+  gu = dense("bth,hsi->btsi", h, layer.w_gate_up)
+  return x + dense("bti,ih->bth", jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1], layer.w_down)
 
 
 def embed_lookup(table, tokens):

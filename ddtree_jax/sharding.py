@@ -8,6 +8,7 @@ decode-state pytree into a matching pytree of NamedShardings. Layouts (model.py,
   w_gate_up [H, 2, I] split I    w_down [I, H] split I      XLA inserts the all-reduce)
   embed [V, H], lm_head [H, V] split V (argmax/top-k still return global ids)
   norms, q_norm, k_norm replicated; drafter fc [k*H, H] split on its output columns
+  an int8 drafter's Int8Weight: q as the float weight, scale as its output dims
   KV cache [L, B, K, S, D]: B over dp, K over tp; per-sequence decode state over dp
 
 Everything else is GSPMD: params and caches carry NamedShardings and jit propagates them. The
@@ -36,7 +37,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from ddtree_jax.drafter import DrafterParams
-from ddtree_jax.model import KVCache, LayerParams, Params
+from ddtree_jax.model import Int8Weight, KVCache, LayerParams, Params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,14 +104,23 @@ def _axis(mesh: Mesh, rules: ShardingRules, field: str, size: int, what: str):
 # PartitionSpec pytrees
 
 
+def _w(w, *spec):
+  """The spec of a weight; an Int8Weight's scale takes the spec of its output (trailing) dims."""
+  if isinstance(w, Int8Weight):
+    return Int8Weight(q=P(*spec), scale=P(*spec[len(spec) - w.scale.ndim:]))
+  return P(*spec)
+
+
 def _layer_specs(layer: LayerParams, mesh, rules) -> LayerParams:
   hd = _axis(mesh, rules, "heads", layer.wq.shape[1], "query heads")
   kv = _axis(mesh, rules, "kv_heads", layer.wkv.shape[2], "kv heads")
   ml = _axis(mesh, rules, "mlp", layer.w_down.shape[0], "intermediate_size")
   opt = lambda x: None if x is None else P()
-  return LayerParams(input_norm=P(), wq=P(None, hd, None), wkv=P(None, None, kv, None),
-                     wo=P(hd, None, None), q_norm=opt(layer.q_norm), k_norm=opt(layer.k_norm),
-                     post_norm=P(), w_gate_up=P(None, None, ml), w_down=P(ml, None))
+  return LayerParams(input_norm=P(), wq=_w(layer.wq, None, hd, None),
+                     wkv=_w(layer.wkv, None, None, kv, None), wo=_w(layer.wo, hd, None, None),
+                     q_norm=opt(layer.q_norm), k_norm=opt(layer.k_norm), post_norm=P(),
+                     w_gate_up=_w(layer.w_gate_up, None, None, ml),
+                     w_down=_w(layer.w_down, ml, None))
 
 
 def _param_specs(params: Params, mesh, rules) -> Params:
@@ -121,9 +131,12 @@ def _param_specs(params: Params, mesh, rules) -> Params:
 
 def _drafter_specs(params: DrafterParams, mesh, rules) -> DrafterParams:
   fc = _axis(mesh, rules, "fc", params.fc.shape[1], "drafter fc output (hidden_size)")
-  return DrafterParams(fc=P(None, fc), hidden_norm=P(),
+  head = params.lm_head
+  if head is not None:
+    head = _w(head, None, _axis(mesh, rules, "vocab", head.shape[1], "drafter lm_head vocab"))
+  return DrafterParams(fc=_w(params.fc, None, fc), hidden_norm=P(),
                        layers=[_layer_specs(l, mesh, rules) for l in params.layers],
-                       final_norm=P())
+                       final_norm=P(), lm_head=head)
 
 
 def _cache_specs(cache: KVCache, mesh, rules) -> KVCache:

@@ -23,7 +23,7 @@ import numpy as np
 
 from ddtree_jax import decode, model, profiling, sharding
 from ddtree_jax.config import ModelConfig
-from ddtree_jax.drafter import DrafterConfig, DrafterParams
+from ddtree_jax.drafter import DrafterConfig, DrafterParams, quantize_int8
 
 flags.DEFINE_bool("small", False, "tiny shapes (CPU smoke run)")
 flags.DEFINE_string("sections", "copy,ar,spec,host",
@@ -39,6 +39,8 @@ flags.DEFINE_string("attention", "xla", "comma list: xla, pallas (first: full sw
 flags.DEFINE_integer("steps", 32, "decode steps timed per row")
 flags.DEFINE_integer("repeats", 5, "timed repeats (median)")
 flags.DEFINE_string("json_out", "", "append each row here as a JSON line as soon as measured")
+flags.DEFINE_string("drafters", "bf16", "comma list: bf16, int8 (weight-only int8 drafter with its "
+                    "own int8 lm_head, drafter.quantize_int8); spec rows run for each")
 flags.DEFINE_bool("stages", True, "also time the stages as separate programs")
 flags.DEFINE_string("stage_runs", "", "runs of the sweep that get stage times ('' = all)")
 sharding.define_mesh_flags()
@@ -178,12 +180,17 @@ def main(_):
   MESH = sharding.mesh_from_flags()
   tp = sharding.shard_params(model.init_params(tcfg, key), MESH)
   dp, dcfg = make_drafter(tcfg, jax.random.key(1), small)
-  dp = sharding.shard_params(dp, MESH)
+  dps = {"bf16": sharding.shard_params(dp, MESH)}
+  if "int8" in FLAGS.drafters.split(","):
+    dps["int8"] = sharding.shard_params(jax.jit(quantize_int8)(dps["bf16"], tp), MESH)
+  dps = {name: dps[name] for name in FLAGS.drafters.split(",")}
+  dp = next(iter(dps.values()))
   batches = [int(b) for b in FLAGS.batches.split(",")]
   attns = FLAGS.attention.split(",")
   spec_prefixes = [int(p) for p in FLAGS.spec_prefixes.split(",")]
   print(f"devices: {jax.devices()}  target params {model.param_bytes(tp) / 1e9:.2f} GB  "
-        f"drafter {model.param_bytes(dp) / 1e9:.2f} GB", flush=True)
+        "drafter " + ", ".join(f"{k} {model.param_bytes(v) / 1e9:.2f} GB" for k, v in dps.items()),
+        flush=True)
   bw = copy_bandwidth(small)
   emit({"section": "copy", "bandwidth_GBps": bw / 1e9})
   weight_bytes = model.param_bytes(tp) - tp.embed.size * tp.embed.dtype.itemsize
@@ -195,12 +202,12 @@ def main(_):
     return {"section": "ar", "attention": attn, "batch": b, "prefix": prefix,
             "compile_args": (tp, tcfg, None, None, lc, b, prefix, False)}
 
-  def spec_row(attn, method, budget, b, prefix, stages):
+  def spec_row(attn, method, budget, b, prefix, stages, drafter):
     lc = loop_config(method=method, max_new_tokens=steps + 1, num_drafts=15, budget=budget,
                      attention=attn)
     return {"section": "spec", "attention": attn, "method": method, "budget": budget,
-            "batch": b, "prefix": prefix,
-            "compile_args": (tp, tcfg, dp, dcfg, lc, b, prefix, stages)}
+            "batch": b, "prefix": prefix, "drafter": drafter,
+            "compile_args": (tp, tcfg, dps[drafter], dcfg, lc, b, prefix, stages)}
 
   groups = []  # each group is compiled in parallel, then timed serially
   if "ar" in sections:
@@ -214,11 +221,11 @@ def main(_):
       groups.append(missing)
     for b in batches:  # per batch: the full sweep, then the other (attention, prefix) pairs
       staged = set(parse_runs(FLAGS.stage_runs or FLAGS.budgets))
-      sweep = [spec_row(attns[0], m, bud, b, spec_prefixes[0], FLAGS.stages and (m, bud) in staged)
-               for m, bud in parse_runs(FLAGS.budgets)]
+      sweep = [spec_row(attns[0], m, bud, b, spec_prefixes[0], FLAGS.stages and (m, bud) in staged,
+                        dn) for m, bud in parse_runs(FLAGS.budgets) for dn in dps]
       groups += [sweep[i:i + 4] for i in range(0, len(sweep), 4)]  # rows come out as they go
-      alt = [spec_row(a, m, bud, b, p, FLAGS.stages and a == attns[0] and (m, bud) in staged)
-             for a in attns for p in spec_prefixes if (a, p) != (attns[0], spec_prefixes[0])
+      alt = [spec_row(a, m, bud, b, p, FLAGS.stages and a == attns[0] and (m, bud) in staged, dn)
+             for dn in dps for a in attns for p in spec_prefixes if (a, p) != (attns[0], spec_prefixes[0])
              for m, bud in parse_runs(FLAGS.alt_runs)]
       if alt:
         groups.append(alt)
@@ -253,7 +260,7 @@ def main(_):
         row["vs_ar_step"] = s * 1e3 / ar_ms[(row["attention"], b, prefix)]
         if progs is not None:  # same shapes as the loop's state (capacity included)
           st = make_state(jax.random.key(2), tcfg, dcfg, lc, b, prefix)
-          stages = profiling.stage_seconds(tp, tcfg, dp, dcfg, lc, st, repeats=FLAGS.repeats,
+          stages = profiling.stage_seconds(tp, tcfg, dp_, dcfg, lc, st, repeats=FLAGS.repeats,
                                            programs=progs)
           row.update({f"{k}_ms": v * 1e3 for k, v in stages.items()})
       emit(row)
@@ -291,11 +298,13 @@ def print_tables():
       print(f"{r['attention']:<7}{r['batch']:>6}{r['prefix']:>8}{r['step_ms']:>10.3f}"
             f"{r['floor_ms']:>10.3f}{r['ratio_to_floor']:>8.2f}")
   print("\n== Speculative step (while_loop) and stages (separate programs), ms")
-  print(f"{'attn':<7}{'method':<8}{'B':>5}{'batch':>6}{'prefix':>7}{'step':>9}{'xAR':>7}{'draft':>8}"
+  print(f"{'attn':<7}{'method':<8}{'B':>5}{'drafter':>8}{'batch':>6}{'prefix':>7}{'step':>9}"
+        f"{'xAR':>7}{'draft':>8}"
         f"{'tree':>8}{'verify':>8}{'acc+com':>8}")
   for r in ROWS:
     if r["section"] == "spec":
-      print(f"{r['attention']:<7}{r['method']:<8}{r['budget']:>5}{r['batch']:>6}{r['prefix']:>7}"
+      print(f"{r['attention']:<7}{r['method']:<8}{r['budget']:>5}{r['drafter']:>8}{r['batch']:>6}"
+            f"{r['prefix']:>7}"
             f"{r['step_ms']:>9.3f}"
             f"{r['vs_ar_step']:>7.2f}" + "".join(
                 f"{r[k]:>8.3f}" if k in r else f"{'-':>8}"

@@ -36,6 +36,7 @@ _BATCH = flags.DEFINE_integer("batch_size", 1, "prompts per generate call (1: la
 _ATTN = flags.DEFINE_string("attention", "", "xla | pallas | '' (engine default)")
 _SEED = flags.DEFINE_integer("seed", 0, "prompt sampling seed")
 _OUT = flags.DEFINE_string("out", "out/eval_default.json", "JSON results")
+_INT8 = flags.DEFINE_bool("drafter_int8", False, "weight-only int8 drafter (drafter.quantize_int8)")
 _SHOW = flags.DEFINE_integer("show", 1, "print this many prompts with their continuation")
 
 
@@ -81,7 +82,7 @@ def main(_):
   logging.set_verbosity(logging.WARNING)
   t0 = time.perf_counter()
   target = dj.load_target(os.path.join(_DIR.value, "target"), dtype=_DTYPE.value)
-  drafter = dj.load_drafter(os.path.join(_DIR.value, "drafter"), target)
+  drafter = dj.load_drafter(os.path.join(_DIR.value, "drafter"), target, int8=_INT8.value)
   tok = target.tokenizer
   prompts = heldout_prompts(tok, _N.value, _PMIN.value, _PMAX.value, _SEED.value)
   runs = [("ar", None), ("chain", None)] + [("ddtree", int(b)) for b in _BUDGETS.value.split(",")

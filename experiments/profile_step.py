@@ -39,11 +39,13 @@ from absl import app, flags
 import jax
 
 import bench_step
+from ddtree_jax import drafter as drafter_lib
 from ddtree_jax import model, sharding
 
 flags.DEFINE_string("runs", "ar,32,64", "ar, chain or ddtree budgets")
 flags.DEFINE_integer("batch", 1, "batch size")
 flags.DEFINE_integer("prefix", 1024, "committed prefix length")
+flags.DEFINE_bool("drafter_int8", False, "a weight-only int8 drafter (drafter.quantize_int8)")
 flags.DEFINE_integer("top", 20, "kernels listed per run")
 flags.DEFINE_string("trace_dir", "", "keep the traces (and each run's optimized HLO) here "
                     "(default: a temporary directory)")
@@ -206,6 +208,8 @@ def main(_):
   tcfg = bench_step.qwen3_8b(small)
   tp = sharding.shard_params(model.init_params(tcfg, jax.random.key(0)), bench_step.MESH)
   dp, dcfg = bench_step.make_drafter(tcfg, jax.random.key(1), small)
+  if FLAGS.drafter_int8:
+    dp = jax.jit(drafter_lib.quantize_int8)(dp, tp)
   dp = sharding.shard_params(dp, bench_step.MESH)
   attention = FLAGS.attention.split(",")[0]
   steps, b, prefix = FLAGS.steps, FLAGS.batch, FLAGS.prefix

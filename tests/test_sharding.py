@@ -16,46 +16,13 @@ from conftest import FIXTURES
 from ddtree_jax import checkpoint, decode, sharding, tree, verify
 from ddtree_jax import drafter as drafter_lib
 from ddtree_jax.attention import attend_xla
-from helpers import oracle_drafter, write_drafter
+from helpers import oracle_drafter, write_drafter, write_target
 
 M = 24
 PROMPTS = [[3, 17, 99, 4, 250, 31, 8], [42], [7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 9], [200, 1, 0]]
 MESHES = [{"dp": 1, "tp": 1}, {"dp": 1, "tp": 2}, {"dp": 1, "tp": 4}, {"dp": 1, "tp": 8},
           {"dp": 2, "tp": 4}]
 BUDGET = 16
-
-
-def write_target(path, *, heads=8, kv_heads=8, hidden=64, head_dim=16, inter=128, vocab=256,
-                 layers=2, seed=0):
-  """A random Qwen3 HF checkpoint (config.json + model.safetensors, float32, untied)."""
-  rng = np.random.default_rng(seed)
-  w = lambda *s: (0.2 * rng.standard_normal(s)).astype(np.float32)
-  norm = lambda m: (1 + 0.1 * rng.standard_normal(m)).astype(np.float32)
-  t = {"model.embed_tokens.weight": w(vocab, hidden), "model.norm.weight": norm(hidden),
-       "lm_head.weight": w(vocab, hidden)}
-  for l in range(layers):
-    p = f"model.layers.{l}."
-    t.update({p + "input_layernorm.weight": norm(hidden),
-              p + "post_attention_layernorm.weight": norm(hidden),
-              p + "self_attn.q_proj.weight": w(heads * head_dim, hidden),
-              p + "self_attn.k_proj.weight": w(kv_heads * head_dim, hidden),
-              p + "self_attn.v_proj.weight": w(kv_heads * head_dim, hidden),
-              p + "self_attn.o_proj.weight": w(hidden, heads * head_dim),
-              p + "self_attn.q_norm.weight": norm(head_dim),
-              p + "self_attn.k_norm.weight": norm(head_dim),
-              p + "mlp.gate_proj.weight": w(inter, hidden),
-              p + "mlp.up_proj.weight": w(inter, hidden),
-              p + "mlp.down_proj.weight": w(hidden, inter)})
-  cfg = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": hidden,
-         "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
-         "num_key_value_heads": kv_heads, "head_dim": head_dim, "rms_norm_eps": 1e-6,
-         "rope_theta": 10000.0, "vocab_size": vocab, "tie_word_embeddings": False,
-         "max_position_embeddings": 512, "eos_token_id": 1, "bos_token_id": 0}
-  os.makedirs(path, exist_ok=True)
-  with open(os.path.join(path, "config.json"), "w") as f:
-    json.dump(cfg, f)
-  save_file(t, os.path.join(path, "model.safetensors"))
-  return path
 
 
 @pytest.fixture(scope="module")

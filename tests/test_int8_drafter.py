@@ -1,0 +1,93 @@
+"""Weight-only int8 drafter: the quantization, the int8 matmul, and decoding with it stays lossless
+(the drafts change a little; the output is still the target's)."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import ddtree_jax as dj
+from ddtree_jax import checkpoint, model, sharding
+from helpers import write_drafter, write_target
+
+M = 24
+PROMPTS = [[3, 17, 99, 4, 250, 31, 8], [42], [7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 9], [200, 1, 0]]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+  root = tmp_path_factory.mktemp("int8")
+  target = dj.load_target(write_target(str(root / "target")), dtype="float32")
+  path = write_drafter(str(root / "drafter"), target.config, block_size=8)
+  ar = dj.generate(target, PROMPTS, max_new_tokens=M, stop_token_ids=()).tokens
+  return target, path, ar
+
+
+def test_quantize_int8_rounds_each_output_channel():
+  rng = np.random.default_rng(0)
+  w = rng.standard_normal((5, 3, 4)).astype(np.float32)
+  w[:, 1, 2] = 0.0                      # an all-zero channel
+  w[:, 0, 0] *= 100.0                   # a channel on another scale
+  qw = model.quantize_int8(w)
+  assert qw.q.dtype == jnp.int8 and qw.q.shape == (5, 3, 4) and qw.scale.shape == (3, 4)
+  q, scale = np.asarray(qw.q, np.float32), np.asarray(qw.scale)
+  assert np.all(np.abs(q * scale - w) <= scale / 2 * (1 + 1e-6))
+  assert np.all(np.max(np.abs(q), axis=0)[scale != 1.0] == 127)  # the channel's max maps to 127
+  assert scale[1, 2] == 1.0 and np.all(q[:, 1, 2] == 0)
+  assert model.quantize_int8(rng.standard_normal((2, 3, 4)), num_in=2).scale.shape == (4,)
+
+
+def test_dense_with_int8_weight_is_the_dequantized_einsum():
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.standard_normal((2, 3, 5)), jnp.float32)
+  qw = model.quantize_int8(rng.standard_normal((5, 3, 4)))
+  want = jnp.einsum("bth,hnd->btnd", x, qw.q.astype(jnp.float32) * qw.scale)
+  np.testing.assert_allclose(model.dense("bth,hnd->btnd", x, qw), want, rtol=1e-5, atol=1e-6)
+  y = model.dense("bth,hnd->btnd", x.astype(jnp.bfloat16), qw, jnp.float32)
+  assert y.dtype == jnp.float32
+  np.testing.assert_allclose(y, want, rtol=2e-2, atol=2e-2)
+
+
+def test_int8_drafter_drafts_near_the_float_one_and_decodes_losslessly(pair):
+  target, path, ar = pair
+  d, d8 = dj.load_drafter(path, target), dj.load_drafter(path, target, int8=True)
+  h, v = target.config.hidden_size, target.config.vocab_size
+  assert isinstance(d8.params.layers[0].w_down, model.Int8Weight)
+  assert isinstance(d8.params.fc, model.Int8Weight) and d8.params.lm_head.shape == (h, v)
+  assert model.param_bytes(d8.params) < 0.5 * model.param_bytes(d.params) + 2 * h * v
+  a, b = dj.draft_logits(target, d, PROMPTS[0]), dj.draft_logits(target, d8, PROMPTS[0])
+  assert a.shape == b.shape
+  err = float(jnp.max(jnp.abs(a - b))) / float(jnp.std(a))
+  assert 0 < err < 0.1, err             # quantized, so not equal, but close on the logits' scale
+  for method, budget in (("chain", None), ("ddtree", 16), ("ddtree", 3)):
+    res = dj.generate(target, PROMPTS, method=method, drafter=d8, budget=budget,
+                      max_new_tokens=M, stop_token_ids=())
+    assert res.tokens == ar, (method, budget)
+
+
+def test_int8_drafter_sharded_equals_unsharded(pair):
+  target, path, ar = pair
+  d8 = dj.load_drafter(path, target, int8=True)
+  want = dj.generate(target, PROMPTS, method="ddtree", drafter=d8, budget=16, max_new_tokens=M,
+                     stop_token_ids=())
+  mesh = sharding.make_mesh({"dp": 2, "tp": 4})
+  st = dj.load_target(target.path, dtype="float32", mesh=mesh)
+  sd8 = dj.load_drafter(path, st, int8=True)
+  laid = lambda x, *spec: x.sharding.is_equivalent_to(NamedSharding(mesh, P(*spec)), x.ndim)
+  wq = sd8.params.layers[0].wq
+  assert laid(wq.q, None, "tp", None) and laid(wq.scale, "tp", None)
+  assert laid(sd8.params.lm_head.q, None, "tp") and laid(sd8.params.lm_head.scale, "tp")
+  np.testing.assert_allclose(dj.draft_logits(st, sd8, PROMPTS[0]),
+                             dj.draft_logits(target, d8, PROMPTS[0]), rtol=1e-5, atol=1e-5)
+  res = dj.generate(st, PROMPTS, method="ddtree", drafter=sd8, budget=16, max_new_tokens=M,
+                    stop_token_ids=())
+  assert res.tokens == ar == want.tokens
+  assert res.stats["acceptance_lengths"] == want.stats["acceptance_lengths"]
+
+
+def test_int8_drafter_is_not_saved(pair, tmp_path):
+  target, path, _ = pair
+  d8 = dj.load_drafter(path, target, int8=True)
+  with pytest.raises(ValueError, match="int8"):
+    checkpoint.save_drafter_hf(str(tmp_path / "out"), d8.params, d8.config,
+                               target.config.num_layers)
