@@ -273,7 +273,7 @@ def drafter_config_from_hf(cfg: dict[str, Any], target: ModelConfig):
 def load_drafter(path: str, target: Target, dtype=None, int8: bool = False) -> Drafter:
   """Loads a z-lab-format DFlash drafter directory for `target` (dtype defaults to the target's).
   On a sharded target the drafter is sharded on the same mesh with the same rules.
-  int8=True: a weight-only int8 drafter with its own int8 lm_head (`drafter.quantize_int8`)."""
+  int8=True: an int8 (W8A8) drafter with its own int8 lm_head (`drafter.quantize_int8`)."""
   from ddtree_jax.drafter import DrafterParams, quantize_int8  # pylint: disable=import-outside-toplevel
   cfg = drafter_config_from_hf(read_config(path), target.config)
   dtype = target.dtype if dtype is None else parse_dtype(dtype)

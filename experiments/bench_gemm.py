@@ -11,7 +11,9 @@ One step is a layer without attention (bf16, random weights), in three forms:
   pallas: the flat layer with each matmul a Pallas (Triton) skinny GEMM, `skinny_matmul`: one
           program per column block of W streams its [K, block_n] slab once (no split-K here). An
           experiment: can a plain kernel read the weights faster than XLA's picks at 33-129 rows?
---sweep instead times each GEMM of the layer alone, XLA's x @ w against ~20 skinny_matmul
+--sweep instead times each GEMM of the layer alone (each configuration's result checked against
+XLA's first; --int8: int8 weights with a per-column scale, as a quantized drafter's;
+--variants=swap: the weight tile as the MMA's first operand; --vocab=V adds an lm_head), XLA's x @ w against ~20 skinny_matmul
 configurations (block_n, split-K into float32 partials, W stored [N, K]); on the H200 the best of
 them matched XLA within a few percent per layer (WORKSPACE.md, seventh session).
 Each runs n times in one jitted fori_loop (bench_attention.time_loop); the table gives us per
@@ -56,6 +58,14 @@ def parse_args(argv):
                  help="skinny_matmul launch parameters, e.g. block_k=256,num_stages=3")
   p.add_argument("--sweep", action="store_true",
                  help="per GEMM of the layer: XLA's x @ w vs skinny_matmul launch configurations")
+  p.add_argument("--formats", default="",
+                 help="instead: XLA's GEMM per weight format, e.g. bf16,w8,w8a8,fp8")
+  p.add_argument("--int8", action="store_true",
+                 help="--sweep with int8 weights (+ per-column scale) against XLA's fused convert")
+  p.add_argument("--variants", default="plain,transposed,swap",
+                 help="--sweep skinny_matmul variants: plain, transposed, swap")
+  p.add_argument("--gemms", default="", help="--sweep only these (qkv, o, gate_up, down, lm_head)")
+  p.add_argument("--vocab", type=int, default=0, help="--sweep also an lm_head [hidden, vocab]")
   p.add_argument("--round_ms", type=float, default=20.0)
   p.add_argument("--rounds", type=int, default=5)
   p.add_argument("--json_out", default="")
@@ -83,34 +93,41 @@ def layer_step(x, wqkv, wo, wgu, wd):
   return h + (jax.nn.silu(g[:, :f]) * g[:, f:]) @ wd
 
 
-def _skinny_kernel(x_ref, w_ref, o_ref, *, m, mp, block_k, n_k, transposed):
+def _skinny_kernel(x_ref, w_ref, o_ref, *, m, mp, block_k, n_k, transposed, swap):
   """One (column block, K split) program: acc [mp, block_n] += x[:, k] @ w[k, cols] over its
-  n_k blocks of block_k; w is [K, N], or [N, K] when `transposed` (rows of W^T contiguous)."""
+  n_k blocks of block_k; w is [K, N], or [N, K] when `transposed` (rows of W^T contiguous).
+  An int8 w is cast to x's dtype in registers. `swap` computes acc^T [block_n, mp] = w^T x^T, so
+  the weight tile is the MMA's first operand (Hopper wgmma needs >= 64 rows there; x's 16-64
+  rows fit its N) and the output is transposed once at the end."""
   rows_ok = (jnp.arange(mp) < m)[:, None]
   k0 = pl.program_id(1) * n_k * block_k
   bn = w_ref.shape[0 if transposed else 1]
+  w_k = 1 if transposed else 0  # w's contracting dim
 
   def body(i, acc):
     k = k0 + i * block_k
     x = plgpu.load(x_ref.at[pl.ds(0, mp), pl.ds(k, block_k)], mask=rows_ok, other=0)
-    if transposed:
-      w = plgpu.load(w_ref.at[:, pl.ds(k, block_k)])
-      return acc + lax.dot_general(x, w, (((1,), (1,)), ((), ())),
+    w = plgpu.load(w_ref.at[:, pl.ds(k, block_k)] if transposed
+                   else w_ref.at[pl.ds(k, block_k), :]).astype(x.dtype)
+    if swap:
+      return acc + lax.dot_general(w, x, (((w_k,), (1,)), ((), ())),
                                    preferred_element_type=jnp.float32)
-    w = plgpu.load(w_ref.at[pl.ds(k, block_k), :])
-    return acc + lax.dot_general(x, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return acc + lax.dot_general(x, w, (((1,), (w_k,)), ((), ())),
+                                 preferred_element_type=jnp.float32)
 
-  acc = lax.fori_loop(0, n_k, body, jnp.zeros((mp, bn), jnp.float32))
-  plgpu.store(o_ref.at[pl.ds(0, mp), :], acc.astype(o_ref.dtype), mask=rows_ok)
+  acc = lax.fori_loop(0, n_k, body, jnp.zeros((bn, mp) if swap else (mp, bn), jnp.float32))
+  plgpu.store(o_ref.at[pl.ds(0, mp), :], (acc.T if swap else acc).astype(o_ref.dtype),
+              mask=rows_ok)
 
 
 @functools.partial(jax.jit, static_argnames=("block_n", "block_k", "splits", "transposed",
-                                             "num_warps", "num_stages", "interpret"))
-def skinny_matmul(x, w, *, block_n=None, block_k=128, splits=1, transposed=False, num_warps=4,
-                  num_stages=None, interpret=None):
+                                             "swap", "num_warps", "num_stages", "interpret"))
+def skinny_matmul(x, w, *, block_n=None, block_k=128, splits=1, transposed=False, swap=False,
+                  num_warps=4, num_stages=None, interpret=None):
   """x [M, K] @ w [K, N] (or w [N, K] with `transposed`) -> [M, N] in x's dtype, float32
-  accumulation. With splits > 1 each of `splits` programs per column block sums a K/splits slice
-  into a float32 partial and the partials are added in jnp (XLA fuses that into the consumer).
+  accumulation; w bf16 or int8 (cast in the kernel; scale the output outside). With splits > 1
+  each of `splits` programs per column block sums a K/splits slice into a float32 partial and
+  the partials are added in jnp (XLA fuses that into the consumer). `swap`: see _skinny_kernel.
   block_n defaults to the largest power of two <= 128 that still gives >= 128 programs (about a
   wave on an H200); num_stages to as many (<= 4) as fit ~200 KB of shared memory (227 KB)."""
   m, k = x.shape
@@ -125,10 +142,11 @@ def skinny_matmul(x, w, *, block_n=None, block_k=128, splits=1, transposed=False
                      f"block_k={block_k} x splits={splits}")
   mp = max(16, 1 << (m - 1).bit_length())
   if num_stages is None:
-    num_stages = max(1, min(4, 200 * 1024 // ((mp + block_n) * block_k * x.dtype.itemsize)))
+    tile = (mp * x.dtype.itemsize + block_n * w.dtype.itemsize) * block_k
+    num_stages = max(1, min(4, 200 * 1024 // tile))
   n_k = k // (block_k * splits)
   kernel = functools.partial(_skinny_kernel, m=m, mp=mp, block_k=block_k, n_k=n_k,
-                             transposed=transposed)
+                             transposed=transposed, swap=swap)
   w_spec = (pl.BlockSpec((block_n, k), lambda j, s: (j, 0)) if transposed
             else pl.BlockSpec((k, block_n), lambda j, s: (0, j)))
   out_dtype = x.dtype if splits == 1 else jnp.float32
@@ -174,24 +192,34 @@ def model_layer_step(x, layer, cos, sin, *, cfg, form):
   return x + jnp.einsum("bti,ih->bth", jax.nn.silu(gu[0]) * gu[1], layer.w_down)
 
 
-def sweep_configs(k, n, min_programs=120):
-  """skinny_matmul launch configurations worth timing for w [K, N]: 120-2000 programs."""
+def sweep_configs(k, n, min_programs=120, variants="plain,transposed,swap"):
+  """skinny_matmul launch configurations worth timing for w [K, N]: 120-4000 programs."""
   out = []
-  for transposed, block_ns in ((False, (64, 128, 256)), (True, (16, 32, 64))):
+  kinds = {"plain": (False, False, (64, 128, 256)), "transposed": (True, False, (16, 32, 64)),
+           "swap": (False, True, (64, 128, 256))}
+  for variant in variants.split(","):
+    transposed, swap, block_ns = kinds[variant]
     for bn in block_ns:
-      bk = (64 if bn >= 256 else 128) if not transposed else (256 if bn <= 32 else 128)
-      for s in (1, 2, 4, 8, 16):
-        programs = n // bn * s
-        if n % bn == 0 and k % (bk * s) == 0 and min_programs <= programs <= 2000:
-          out.append(dict(block_n=bn, block_k=bk, splits=s, transposed=transposed,
-                          num_warps=8 if bn * bk >= 256 * 64 and not transposed else 4))
+      if swap:
+        bks = (64, 128) if bn == 256 else (128, 256)
+      else:
+        bks = ((64 if bn >= 256 else 128) if not transposed else (256 if bn <= 32 else 128),)
+      for bk in bks:
+        for s in (1, 2, 4, 8, 16):
+          programs = n // bn * s
+          if n % bn == 0 and k % (bk * s) == 0 and min_programs <= programs <= 4000:
+            out.append(dict(block_n=bn, block_k=bk, splits=s, transposed=transposed, swap=swap,
+                            num_warps=8 if bn * bk >= 256 * 64 and not transposed else 4))
   return out
 
 
 def gemm_shapes(args):
   """The [K, N] of a layer's four weights, by name (the flat layer's order)."""
   d, f = args.hidden, args.intermediate
-  return {"qkv": (d, args.qkv), "o": (d, d), "gate_up": (d, 2 * f), "down": (f, d)}
+  shapes = {"qkv": (d, args.qkv), "o": (d, d), "gate_up": (d, 2 * f), "down": (f, d)}
+  if args.vocab:
+    shapes["lm_head"] = (d, args.vocab)
+  return {k: v for k, v in shapes.items() if not args.gemms or k in args.gemms.split(",")}
 
 
 def sweep(args, keys):
@@ -206,26 +234,41 @@ def sweep(args, keys):
   total = {}
   for name, (k, n) in gemm_shapes(args).items():
     w = (jax.random.normal(keys[1], (k, n), jnp.float32) * k ** -0.5).astype(jnp.bfloat16)
+    scale = jnp.ones((n,), jnp.float32)
+    if args.int8:  # model.quantize_int8's layout: int8 [K, N] and a float32 scale per column
+      qw = model.quantize_int8(w)
+      w, scale = qw.q, qw.scale
     wt = jnp.asarray(w.T)
+    # XLA's form of the GEMM: model.dense (the int8 convert fused into the GEMM, scale after)
+    xla_mm = ((lambda x, w, s: (jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+                                * s).astype(x.dtype)) if args.int8 else (lambda x, w, s: x @ w))
     for m in args.rows:
       x = (jax.random.normal(keys[0], (m, k), jnp.float32) * 0.1).astype(jnp.bfloat16)
       rows = []
-      xla_s, _ = ba.time_loop(lambda x, w: fb(x, x @ w), x, (w,), args.round_ms, args.rounds,
-                              trips)
+      xla_s, _ = ba.time_loop(lambda x, w, s: fb(x, xla_mm(x, w, s)), x, (w, scale),
+                              args.round_ms, args.rounds, trips)
       rows.append(dict(gemm=name, rows=m, impl="xla", us=xla_s * 1e6))
-      for cfg in sweep_configs(k, n, min_programs):
+      want = xla_mm(x, w, scale).astype(jnp.float32)
+      for cfg in sweep_configs(k, n, min_programs, args.variants):
         mm = functools.partial(skinny_matmul, **cfg)
+        if args.int8:
+          mm = lambda x, w, s, mm=mm: (mm(x, w).astype(jnp.float32) * s).astype(x.dtype)
+        else:
+          mm = lambda x, w, s, mm=mm: mm(x, w)
+        wc = wt if cfg["transposed"] else w
         try:
-          sec, _ = ba.time_loop(lambda x, w: fb(x, mm(x, w)), x,
-                                (wt if cfg["transposed"] else w,), args.round_ms, args.rounds,
-                                trips)
+          err = float(jnp.max(jnp.abs(mm(x, wc, scale) - want)) / jnp.max(jnp.abs(want)))
+          if err > 2e-2:
+            raise ValueError(f"wrong result: relative error {err:.3g}")
+          sec, _ = ba.time_loop(lambda x, w, s: fb(x, mm(x, w, s)), x, (wc, scale),
+                                args.round_ms, args.rounds, trips)
         except Exception as e:  # pylint: disable=broad-except  (e.g. shared memory overflow)
           print(f"  {name} M={m} {cfg}: {type(e).__name__}: {str(e)[:120]}")
           continue
         rows.append(dict(gemm=name, rows=m, impl="pallas", us=sec * 1e6, **cfg))
       best = min(rows[1:], key=lambda r: r["us"], default=rows[0])
-      gb = lambda us: k * n * 2 / us / 1e3
-      cfg = {key: best[key] for key in ("block_n", "block_k", "splits", "transposed",
+      gb = lambda us: k * n * w.dtype.itemsize / us / 1e3
+      cfg = {key: best[key] for key in ("block_n", "block_k", "splits", "transposed", "swap",
                                         "num_warps") if key in best}
       print(f"{name:>8} {m:>4} {rows[0]['us']:>8.1f} {gb(rows[0]['us']):>6.0f} {best['us']:>8.1f} "
             f"{gb(best['us']):>6.0f} {rows[0]['us'] / best['us']:>5.2f}  {cfg}", flush=True)
@@ -238,6 +281,58 @@ def sweep(args, keys):
     print(f"layer M={m}: xla {xla_us:.1f} us, best skinny_matmul per GEMM {best_us:.1f} us")
 
 
+def _quant_rows(x, qmax, dtype):
+  """x [M, K] -> (x / s, s [M, 1]) with s = max|row| / qmax (dynamic per-row activation scale)."""
+  s = jnp.maximum(jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1, keepdims=True), 1e-12) / qmax
+  xs = x.astype(jnp.float32) / s
+  return (jnp.round(xs) if dtype == jnp.int8 else xs).astype(dtype), s
+
+
+# XLA's GEMM by weight format (x bf16 [M, K] -> bf16 [M, N]); w is the stored weight, sw [N].
+WEIGHT_FORMATS = {
+    "bf16": (jnp.bfloat16, lambda x, w, sw: x @ w),
+    "w8": (jnp.int8, lambda x, w, sw: (jnp.dot(x, w.astype(x.dtype),
+                                               preferred_element_type=jnp.float32) * sw
+                                       ).astype(x.dtype)),
+    "w8a8": (jnp.int8, lambda x, w, sw: (lambda q, s: (jnp.dot(
+        q, w, preferred_element_type=jnp.int32).astype(jnp.float32) * s * sw).astype(x.dtype))(
+            *_quant_rows(x, 127.0, jnp.int8))),
+    "fp8": (jnp.float8_e4m3fn, lambda x, w, sw: (lambda q, s: (jnp.dot(
+        q, w, preferred_element_type=jnp.float32) * s * sw).astype(x.dtype))(
+            *_quant_rows(x, 448.0, jnp.float8_e4m3fn))),
+}
+
+
+def formats(args, keys):
+  """Per GEMM and row count: XLA's time for each weight format (bf16, int8 weight-only, int8
+  weights and activations, fp8 e4m3 weights and activations), and its error against bf16."""
+  trips = 3 if args.smoke else 200
+  fb = lambda x, y: x + (y.astype(jnp.float32).sum(-1, keepdims=True) * 1e-6).astype(x.dtype)
+  names = args.formats.split(",")
+  print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
+  print(f"{'gemm':>8} {'M':>4} " + " ".join(f"{n + ' us':>9} {'GB/s':>6} {'err':>7}" for n in names))
+  for name, (k, n) in gemm_shapes(args).items():
+    w = jax.random.normal(keys[1], (k, n), jnp.float32) * k ** -0.5
+    for m in args.rows:
+      x = (jax.random.normal(keys[0], (m, k), jnp.float32) * 0.1).astype(jnp.bfloat16)
+      want = (x.astype(jnp.float32) @ w)
+      cells = []
+      for fmt in names:
+        dtype, mm = WEIGHT_FORMATS[fmt]
+        if dtype == jnp.bfloat16:
+          wq, sw = w.astype(dtype), jnp.ones((n,), jnp.float32)
+        else:
+          qmax = 127.0 if dtype == jnp.int8 else 448.0
+          sw = jnp.max(jnp.abs(w), axis=0) / qmax
+          wq = (jnp.round(w / sw) if dtype == jnp.int8 else w / sw).astype(dtype)
+        err = float(jnp.max(jnp.abs(jax.jit(mm)(x, wq, sw).astype(jnp.float32) - want))
+                    / jnp.max(jnp.abs(want)))
+        sec, _ = ba.time_loop(lambda x, w, s: fb(x, mm(x, w, s)), x, (wq, sw), args.round_ms,
+                              args.rounds, trips)
+        cells.append(f"{sec * 1e6:>9.1f} {wq.nbytes / sec / 1e9:>6.0f} {err:>7.1e}")
+      print(f"{name:>8} {m:>4} " + " ".join(cells), flush=True)
+
+
 def main(argv=None):
   args = parse_args(sys.argv[1:] if argv is None else argv)
   d, f, dh = args.hidden, args.intermediate, 128 if args.hidden >= 1024 else 16
@@ -245,6 +340,8 @@ def main(argv=None):
   keys = jax.random.split(jax.random.key(0), 5)
   if args.sweep:
     return sweep(args, keys)
+  if args.formats:
+    return formats(args, keys)
   flat = [(jax.random.normal(k, s, jnp.float32) * s[0] ** -0.5).astype(jnp.bfloat16)
           for k, s in zip(keys[1:], gemm_shapes(args).values())]
   # the same weights in model.py's shapes (a bitcast of the flat ones: identical bytes)

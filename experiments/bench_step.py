@@ -39,7 +39,7 @@ flags.DEFINE_string("attention", "xla", "comma list: xla, pallas (first: full sw
 flags.DEFINE_integer("steps", 32, "decode steps timed per row")
 flags.DEFINE_integer("repeats", 5, "timed repeats (median)")
 flags.DEFINE_string("json_out", "", "append each row here as a JSON line as soon as measured")
-flags.DEFINE_string("drafters", "bf16", "comma list: bf16, int8 (weight-only int8 drafter with its "
+flags.DEFINE_string("drafters", "bf16", "comma list: bf16, int8 (int8 W8A8 drafter with its "
                     "own int8 lm_head, drafter.quantize_int8); spec rows run for each")
 flags.DEFINE_bool("stages", True, "also time the stages as separate programs")
 flags.DEFINE_string("stage_runs", "", "runs of the sweep that get stage times ('' = all)")

@@ -36,7 +36,7 @@ _BATCH = flags.DEFINE_integer("batch_size", 1, "prompts per generate call (1: la
 _ATTN = flags.DEFINE_string("attention", "", "xla | pallas | '' (engine default)")
 _SEED = flags.DEFINE_integer("seed", 0, "prompt sampling seed")
 _OUT = flags.DEFINE_string("out", "out/eval_default.json", "JSON results")
-_INT8 = flags.DEFINE_bool("drafter_int8", False, "weight-only int8 drafter (drafter.quantize_int8)")
+_INT8 = flags.DEFINE_bool("drafter_int8", False, "int8 (W8A8) drafter (drafter.quantize_int8)")
 _SHOW = flags.DEFINE_integer("show", 1, "print this many prompts with their continuation")
 
 

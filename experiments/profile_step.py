@@ -45,7 +45,7 @@ from ddtree_jax import model, sharding
 flags.DEFINE_string("runs", "ar,32,64", "ar, chain or ddtree budgets")
 flags.DEFINE_integer("batch", 1, "batch size")
 flags.DEFINE_integer("prefix", 1024, "committed prefix length")
-flags.DEFINE_bool("drafter_int8", False, "a weight-only int8 drafter (drafter.quantize_int8)")
+flags.DEFINE_bool("drafter_int8", False, "an int8 (W8A8) drafter (drafter.quantize_int8)")
 flags.DEFINE_integer("top", 20, "kernels listed per run")
 flags.DEFINE_string("trace_dir", "", "keep the traces (and each run's optimized HLO) here "
                     "(default: a temporary directory)")

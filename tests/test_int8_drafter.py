@@ -1,4 +1,4 @@
-"""Weight-only int8 drafter: the quantization, the int8 matmul, and decoding with it stays lossless
+"""Int8 (W8A8) drafter: the quantization, the int8 matmul, and decoding with it stays lossless
 (the drafts change a little; the output is still the target's)."""
 
 import jax.numpy as jnp
@@ -37,15 +37,28 @@ def test_quantize_int8_rounds_each_output_channel():
   assert model.quantize_int8(rng.standard_normal((2, 3, 4)), num_in=2).scale.shape == (4,)
 
 
-def test_dense_with_int8_weight_is_the_dequantized_einsum():
+def test_dense_with_int8_weight_is_w8a8():
+  """Each row of x over its contracted dims gets its own int8 scale; the result is the einsum of
+  the dequantized operands (exact int32 accumulation), close to the float einsum."""
   rng = np.random.default_rng(1)
-  x = jnp.asarray(rng.standard_normal((2, 3, 5)), jnp.float32)
-  qw = model.quantize_int8(rng.standard_normal((5, 3, 4)))
-  want = jnp.einsum("bth,hnd->btnd", x, qw.q.astype(jnp.float32) * qw.scale)
-  np.testing.assert_allclose(model.dense("bth,hnd->btnd", x, qw), want, rtol=1e-5, atol=1e-6)
-  y = model.dense("bth,hnd->btnd", x.astype(jnp.bfloat16), qw, jnp.float32)
-  assert y.dtype == jnp.float32
-  np.testing.assert_allclose(y, want, rtol=2e-2, atol=2e-2)
+  x = rng.standard_normal((2, 3, 4, 5)).astype(np.float32)
+  x[1, 2] = 0.0                                           # an all-zero row
+  x[0, 1] *= 50.0                                         # a row on another scale
+  w = rng.standard_normal((4, 5, 6)).astype(np.float32)  # [N, D, H] as wo
+  qw = model.quantize_int8(w, num_in=2)
+  got = np.asarray(model.dense("btnd,ndh->bth", jnp.asarray(x), qw))
+  sx = np.maximum(np.abs(x).max(axis=(2, 3), keepdims=True), 1e-30) / 127
+  xq = np.round(x / sx) * sx
+  want = np.einsum("btnd,ndh->bth", xq, np.asarray(qw.q, np.float32) * np.asarray(qw.scale))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  assert np.all(got[1, 2] == 0)
+  exact = np.einsum("btnd,ndh->bth", x, w)
+  assert np.max(np.abs(got - exact) / np.maximum(np.abs(exact).max(-1, keepdims=True), 1)) < 3e-2
+  y = model.dense("bth,hv->btv", jnp.asarray(x[..., 0, :4], jnp.bfloat16),
+                  model.quantize_int8(w[:, 0]), jnp.float32)
+  assert y.dtype == jnp.float32 and y.shape == (2, 3, 6)
+  with pytest.raises(ValueError, match="kept dims"):
+    model.dense("bth,hv->vbt", jnp.asarray(x[..., 0, :4]), model.quantize_int8(w[:, 0]))
 
 
 def test_int8_drafter_drafts_near_the_float_one_and_decodes_losslessly(pair):
@@ -58,7 +71,7 @@ def test_int8_drafter_drafts_near_the_float_one_and_decodes_losslessly(pair):
   a, b = dj.draft_logits(target, d, PROMPTS[0]), dj.draft_logits(target, d8, PROMPTS[0])
   assert a.shape == b.shape
   err = float(jnp.max(jnp.abs(a - b))) / float(jnp.std(a))
-  assert 0 < err < 0.1, err             # quantized, so not equal, but close on the logits' scale
+  assert 0 < err < 0.25, err            # W8A8, so not equal, but close on the logits' scale
   for method, budget in (("chain", None), ("ddtree", 16), ("ddtree", 3)):
     res = dj.generate(target, PROMPTS, method=method, drafter=d8, budget=budget,
                       max_new_tokens=M, stop_token_ids=())
