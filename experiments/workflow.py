@@ -370,9 +370,14 @@ def load_models(cfg, mesh=None):
     target = dj.load_target(cfg.target, dtype=cfg.dtype, mesh=mesh)
   drafter = None
   if cfg.drafter:
-    drafter = dj.load_drafter(cfg.drafter, target)
+    drafter = dj.load_drafter(cfg.drafter, target, int8=cfg.drafter_int8)
   elif cfg.random_drafter:
     drafter = random_drafter(target, cfg.drafter_shape, cfg.seed + 1, cfg.drafter_shape.init_std)
+    if cfg.drafter_int8:
+      from ddtree_jax import drafter as drafter_lib, sharding  # pylint: disable=import-outside-toplevel
+      params = drafter_lib.quantize_int8(drafter.params, target.params)
+      drafter = dataclasses.replace(
+          drafter, params=sharding.shard_params(params, target.mesh, target.rules))
   return target, drafter
 
 

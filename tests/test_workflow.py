@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -120,6 +121,9 @@ def test_random_models_from_shape():
   assert all(0 <= i < 3 for i in drafter.config.target_layer_ids)
   prompts = workflow.make_prompts(cfg, target, 3)  # no tokenizer: random token prompts
   assert len(prompts) == 3 and all(len(p) == 64 and max(p) < 64 for p in prompts)
+  cfg.drafter_int8 = True
+  _, d8 = workflow.load_models(cfg)
+  assert d8.params.fc.q.dtype == jnp.int8 and d8.params.lm_head.shape == (32, 64)
 
 
 # ------------------------------------------------------------------------------------------------
