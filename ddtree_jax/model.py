@@ -24,14 +24,17 @@ Array = jax.Array
 class Int8Weight:
   """An int8 matrix (drafters only): w ~= q * scale, used as W8A8 by `dense`.
 
-  q has the float weight's layout [in..., out...]; scale [out...] holds one float32 per output
-  channel (the trailing dims), so it multiplies the matmul's output, not the weight."""
-  q: Array                 # int8
-  scale: Array             # float32
+  The float weight is [in..., out...]; q holds it K-major, [out..., in...] (the layout int8
+  tensor-core GEMMs read without a transpose); scale [out...] has one float32 per output channel,
+  so it multiplies the matmul's output, not the weight."""
+  q: Array                 # int8 [out..., in...]
+  scale: Array             # float32 [out...]
 
   @property
   def shape(self):
-    return self.q.shape
+    """The float weight's shape [in..., out...]."""
+    k = self.scale.ndim
+    return self.q.shape[k:] + self.q.shape[:k]
 
 
 def quantize_int8(w, num_in: int = 1) -> Int8Weight:
@@ -39,7 +42,8 @@ def quantize_int8(w, num_in: int = 1) -> Int8Weight:
   wf = jnp.asarray(w, jnp.float32)
   amax = jnp.max(jnp.abs(wf), axis=tuple(range(num_in)))
   scale = jnp.where(amax > 0, amax / 127.0, 1.0)
-  return Int8Weight(q=jnp.clip(jnp.round(wf / scale), -127, 127).astype(jnp.int8), scale=scale)
+  q = jnp.clip(jnp.round(wf / scale), -127, 127).astype(jnp.int8)
+  return Int8Weight(q=jnp.moveaxis(q, tuple(range(num_in)), tuple(range(-num_in, 0))), scale=scale)
 
 
 def dense(spec, x, w, out_dtype=None):
@@ -61,7 +65,9 @@ def dense(spec, x, w, out_dtype=None):
   amax = jnp.max(jnp.abs(xf), axis=contracted, keepdims=True)
   sx = jnp.where(amax > 0, amax / 127.0, 1.0)
   xq = jnp.round(xf / sx).astype(jnp.int8)
-  y = jnp.einsum(spec, xq, w.q, preferred_element_type=jnp.int32).astype(jnp.float32)
+  qs = "".join(c for c in ws if c in out) + "".join(c for c in ws if c not in out)  # K-major q
+  y = jnp.einsum(f"{xs},{qs}->{out}", xq, w.q, preferred_element_type=jnp.int32)
+  y = y.astype(jnp.float32)
   sx = jnp.squeeze(sx, axis=contracted)                     # x's kept dims, as out starts
   y = y * sx.reshape(sx.shape + (1,) * (y.ndim - sx.ndim)) * w.scale
   return y.astype(out_dtype or x.dtype)

@@ -8,7 +8,7 @@ decode-state pytree into a matching pytree of NamedShardings. Layouts (model.py,
   w_gate_up [H, 2, I] split I    w_down [I, H] split I      XLA inserts the all-reduce)
   embed [V, H], lm_head [H, V] split V (argmax/top-k still return global ids)
   norms, q_norm, k_norm replicated; drafter fc [k*H, H] split on its output columns
-  an int8 drafter's Int8Weight: q as the float weight, scale as its output dims
+  an int8 drafter's Int8Weight: q (K-major) and scale split like the float weight's dims
   KV cache [L, B, K, S, D]: B over dp, K over tp; per-sequence decode state over dp
 
 Everything else is GSPMD: params and caches carry NamedShardings and jit propagates them. The
@@ -105,9 +105,11 @@ def _axis(mesh: Mesh, rules: ShardingRules, field: str, size: int, what: str):
 
 
 def _w(w, *spec):
-  """The spec of a weight; an Int8Weight's scale takes the spec of its output (trailing) dims."""
+  """The spec of a weight [in..., out...]; an Int8Weight's q [out..., in...] and scale [out...]
+  take the same axes."""
   if isinstance(w, Int8Weight):
-    return Int8Weight(q=P(*spec), scale=P(*spec[len(spec) - w.scale.ndim:]))
+    n_in = len(spec) - w.scale.ndim
+    return Int8Weight(q=P(*spec[n_in:], *spec[:n_in]), scale=P(*spec[n_in:]))
   return P(*spec)
 
 

@@ -235,9 +235,9 @@ def sweep(args, keys):
   for name, (k, n) in gemm_shapes(args).items():
     w = (jax.random.normal(keys[1], (k, n), jnp.float32) * k ** -0.5).astype(jnp.bfloat16)
     scale = jnp.ones((n,), jnp.float32)
-    if args.int8:  # model.quantize_int8's layout: int8 [K, N] and a float32 scale per column
+    if args.int8:  # model.quantize_int8's values: int8 [K, N] and a float32 scale per column
       qw = model.quantize_int8(w)
-      w, scale = qw.q, qw.scale
+      w, scale = qw.q.T, qw.scale
     wt = jnp.asarray(w.T)
     # XLA's form of the GEMM: model.dense (the int8 convert fused into the GEMM, scale after)
     xla_mm = ((lambda x, w, s: (jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
@@ -297,6 +297,9 @@ WEIGHT_FORMATS = {
     "w8a8": (jnp.int8, lambda x, w, sw: (lambda q, s: (jnp.dot(
         q, w, preferred_element_type=jnp.int32).astype(jnp.float32) * s * sw).astype(x.dtype))(
             *_quant_rows(x, 127.0, jnp.int8))),
+    "w8a8t": (jnp.int8, lambda x, w, sw: (lambda q, s: (lax.dot_general(
+        q, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32).astype(jnp.float32)
+        * s * sw).astype(x.dtype))(*_quant_rows(x, 127.0, jnp.int8))),
     "fp8": (jnp.float8_e4m3fn, lambda x, w, sw: (lambda q, s: (jnp.dot(
         q, w, preferred_element_type=jnp.float32) * s * sw).astype(x.dtype))(
             *_quant_rows(x, 448.0, jnp.float8_e4m3fn))),
@@ -305,7 +308,8 @@ WEIGHT_FORMATS = {
 
 def formats(args, keys):
   """Per GEMM and row count: XLA's time for each weight format (bf16, int8 weight-only, int8
-  weights and activations, fp8 e4m3 weights and activations), and its error against bf16."""
+  weights and activations with W [K, N] or K-major [N, K] (w8a8t), fp8 e4m3 weights and
+  activations), and its error against the float32 product."""
   trips = 3 if args.smoke else 200
   fb = lambda x, y: x + (y.astype(jnp.float32).sum(-1, keepdims=True) * 1e-6).astype(x.dtype)
   names = args.formats.split(",")
@@ -325,6 +329,8 @@ def formats(args, keys):
           qmax = 127.0 if dtype == jnp.int8 else 448.0
           sw = jnp.max(jnp.abs(w), axis=0) / qmax
           wq = (jnp.round(w / sw) if dtype == jnp.int8 else w / sw).astype(dtype)
+        if fmt.endswith("t"):  # stored K-major, [N, K] (model.Int8Weight's layout)
+          wq = jnp.asarray(wq.T)
         err = float(jnp.max(jnp.abs(jax.jit(mm)(x, wq, sw).astype(jnp.float32) - want))
                     / jnp.max(jnp.abs(want)))
         sec, _ = ba.time_loop(lambda x, w, s: fb(x, mm(x, w, s)), x, (wq, sw), args.round_ms,

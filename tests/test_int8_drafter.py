@@ -29,8 +29,9 @@ def test_quantize_int8_rounds_each_output_channel():
   w[:, 1, 2] = 0.0                      # an all-zero channel
   w[:, 0, 0] *= 100.0                   # a channel on another scale
   qw = model.quantize_int8(w)
-  assert qw.q.dtype == jnp.int8 and qw.q.shape == (5, 3, 4) and qw.scale.shape == (3, 4)
-  q, scale = np.asarray(qw.q, np.float32), np.asarray(qw.scale)
+  assert qw.q.dtype == jnp.int8 and qw.q.shape == (3, 4, 5) and qw.scale.shape == (3, 4)
+  assert qw.shape == (5, 3, 4)                           # the float weight's
+  q, scale = np.moveaxis(np.asarray(qw.q, np.float32), -1, 0), np.asarray(qw.scale)
   assert np.all(np.abs(q * scale - w) <= scale / 2 * (1 + 1e-6))
   assert np.all(np.max(np.abs(q), axis=0)[scale != 1.0] == 127)  # the channel's max maps to 127
   assert scale[1, 2] == 1.0 and np.all(q[:, 1, 2] == 0)
@@ -49,7 +50,8 @@ def test_dense_with_int8_weight_is_w8a8():
   got = np.asarray(model.dense("btnd,ndh->bth", jnp.asarray(x), qw))
   sx = np.maximum(np.abs(x).max(axis=(2, 3), keepdims=True), 1e-30) / 127
   xq = np.round(x / sx) * sx
-  want = np.einsum("btnd,ndh->bth", xq, np.asarray(qw.q, np.float32) * np.asarray(qw.scale))
+  deq = np.moveaxis(np.asarray(qw.q, np.float32), 0, -1) * np.asarray(qw.scale)  # [N, D, H]
+  want = np.einsum("btnd,ndh->bth", xq, deq)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
   assert np.all(got[1, 2] == 0)
   exact = np.einsum("btnd,ndh->bth", x, w)
@@ -88,8 +90,8 @@ def test_int8_drafter_sharded_equals_unsharded(pair):
   sd8 = dj.load_drafter(path, st, int8=True)
   laid = lambda x, *spec: x.sharding.is_equivalent_to(NamedSharding(mesh, P(*spec)), x.ndim)
   wq = sd8.params.layers[0].wq
-  assert laid(wq.q, None, "tp", None) and laid(wq.scale, "tp", None)
-  assert laid(sd8.params.lm_head.q, None, "tp") and laid(sd8.params.lm_head.scale, "tp")
+  assert laid(wq.q, "tp", None, None) and laid(wq.scale, "tp", None)   # q [N, D, H]
+  assert laid(sd8.params.lm_head.q, "tp", None) and laid(sd8.params.lm_head.scale, "tp")
   np.testing.assert_allclose(dj.draft_logits(st, sd8, PROMPTS[0]),
                              dj.draft_logits(target, d8, PROMPTS[0]), rtol=1e-5, atol=1e-5)
   res = dj.generate(st, PROMPTS, method="ddtree", drafter=sd8, budget=16, max_new_tokens=M,
