@@ -116,9 +116,16 @@ def test_gemm_bench_forms_compute_the_same_layer(tmp_path):
     xm, wm = w(m, k), w(k, n)
     configs = bench_gemm.sweep_configs(k, n, min_programs=1)
     assert {c["splits"] for c in configs} > {1} and {c["transposed"] for c in configs} == {False, True}
+    assert {c["swap"] for c in configs} == {False, True}
     for c in configs:
       got = bench_gemm.skinny_matmul(xm, wm.T if c["transposed"] else wm, **c)
       np.testing.assert_allclose(np.asarray(got), np.asarray(xm @ wm), rtol=1e-5, atol=1e-5)
+  # int8 weights are cast in the kernel (--sweep --int8), plain and swapped
+  xi, wi = w(5, 256), jnp.asarray(rng.integers(-127, 128, size=(256, 128)), jnp.int8)
+  for swap in (False, True):
+    got = bench_gemm.skinny_matmul(xi, wi, block_n=64, swap=swap)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(xi @ wi.astype(jnp.float32)),
+                               rtol=1e-5, atol=2e-3)  # |entries| up to ~1e3
   out = tmp_path / "gemm.jsonl"
   bench_gemm.main(["--smoke", "--forms=flat,model,sbt,pallas", f"--json_out={out}"])
   rows = [json.loads(line) for line in out.read_text().splitlines()]
@@ -130,3 +137,4 @@ def test_gemm_bench_forms_compute_the_same_layer(tmp_path):
   rows = [json.loads(line) for line in sweep.read_text().splitlines()]
   assert {r["gemm"] for r in rows} == {"qkv", "o", "gate_up", "down"}
   assert {r["impl"] for r in rows} == {"xla", "pallas"} and all(r["us"] > 0 for r in rows)
+  bench_gemm.main(["--smoke", "--formats=bf16,w8,w8a8,w8a8t,fp8", "--gemms=o"])  # the table runs

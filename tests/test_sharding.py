@@ -1,7 +1,6 @@
 """Tensor parallelism on 8 forced CPU devices: sharded == unsharded (DESIGN.md invariant 6)."""
 
 import functools
-import json
 import os
 
 import jax
@@ -9,7 +8,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
-from safetensors.numpy import save_file
 
 import ddtree_jax as dj
 from conftest import FIXTURES
