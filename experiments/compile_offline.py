@@ -23,11 +23,13 @@ from jax.experimental.topologies import get_topology_desc
 
 import bench_step
 from ddtree_jax import decode, model, sharding
+from ddtree_jax import drafter as drafter_lib
 
 flags.DEFINE_string("runs", "ar,chain,32,256", "ar, chain or ddtree budgets")
 flags.DEFINE_integer("batch", 1, "batch size")
 flags.DEFINE_integer("prefix", 1024, "committed prefix length")
 flags.DEFINE_integer("tp", 1, "tensor-parallel devices (a mesh of that many H200s when > 1)")
+flags.DEFINE_bool("drafter_int8", False, "an int8 (W8A8) drafter (drafter.quantize_int8)")
 flags.DEFINE_string("hlo_dir", "", "write each optimized HLO here and count its collectives")
 # --small and --attention (first entry) are bench_step's flags
 flags.DEFINE_string("target_config", os.path.join(os.path.dirname(__file__),
@@ -54,6 +56,8 @@ def main(_):
   tparams = jax.eval_shape(lambda: model.init_params(tcfg, jax.random.key(0)))
   dcfg = bench_step.drafter_config(tcfg, FLAGS.small)
   dparams = jax.eval_shape(lambda: bench_step.make_drafter(tcfg, jax.random.key(1), FLAGS.small)[0])
+  if FLAGS.drafter_int8:
+    dparams = jax.eval_shape(drafter_lib.quantize_int8, dparams, tparams)
   attention = FLAGS.attention.split(",")[0]
   print(f"tp={FLAGS.tp}")
   print(f"{'run':<12}{'attention':>10}{'batch':>6}{'lower s':>9}{'compile s':>11}", flush=True)
