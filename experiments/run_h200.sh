@@ -10,6 +10,7 @@
 #   experiments/run_h200.sh sweep OUT    # attention launch parameters vs the default rule
 #   experiments/run_h200.sh gemm OUT     # a layer's GEMMs vs rows M, as model.py writes them
 #   experiments/run_h200.sh quick OUT    # batch 1 and 8: AR, chain, DDTree 32/64/128 (~150 s)
+#   experiments/run_h200.sh int8 OUT     # bf16 vs int8 (W8A8) drafter, batch 1; GEMMs by format
 #   experiments/run_h200.sh tp OUT       # tp=1 vs tp=2 (needs 2 GPUs); bf16 divergences at tp=2
 #   BATCHES=16 experiments/run_h200.sh matrix OUT  # bench_matrix: bundled pair (float32)
 #   experiments/run_h200.sh temperature OUT        # bundled pair, T=0 vs T=1, DDTree B=32
@@ -71,6 +72,14 @@ case $what in
     timeout 150 $py experiments/bench_gemm.py --rows=1,17,33,65,129 --json_out="$out/gemm.jsonl" \
       >"$out/gemm.log" 2>&1
     ;;
+  int8)  # ~200 s: both drafters compiled and timed in one run, then XLA's GEMM per weight format
+    timeout 280 $step --repeats=5 --sections=ar,spec --batches=1 --prefixes=1024 \
+      --spec_prefixes=1024 --attention=pallas --nostages --compile_threads=8 \
+      --budgets=chain,32,64 --drafters=bf16,int8 --json_out="$out/int8_step.jsonl" \
+      >"$out/int8_step.log" 2>&1
+    timeout 200 $py experiments/bench_gemm.py --formats=bf16,w8,w8a8,w8a8t,fp8 --rows=16,33 \
+      --vocab=151936 >"$out/gemm_formats.log" 2>&1
+    ;;
   quick)
     timeout 250 $step --repeats=5 --sections=ar,spec --batches=1,8 --prefixes=1024 \
       --spec_prefixes=1024 --attention=pallas --nostages --compile_threads=8 \
@@ -117,7 +126,7 @@ case $what in
       --config.out_dir="$out/m8b" >"$out/m8b.log" 2>&1
     tar -C "$out" -czf "$out/m8b.tgz" m8b 2>/dev/null && rm -r "$out/m8b"
     ;;
-  *) echo "usage: $0 compile|step|step8|spec|quick|profile|profile_tp|kernel|sweep|gemm|tp|matrix|temperature|m8b OUT" >&2
+  *) echo "usage: $0 compile|step|step8|spec|quick|int8|profile|profile_tp|kernel|sweep|gemm|tp|matrix|temperature|m8b OUT" >&2
      exit 2 ;;
 esac
 ls -la "$out"
