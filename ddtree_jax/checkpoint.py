@@ -221,7 +221,8 @@ _DRAFTER_UNIT_FIELDS = ("input_embedding_scale", "output_multiplier")
 
 @dataclasses.dataclass(frozen=True)
 class Drafter:
-  """A loaded DFlash drafter; the target's embedding and lm_head are shared, never copied."""
+  """A loaded DFlash drafter; the target's embedding and lm_head are shared, never copied (an
+  int8 drafter holds its own int8 copy of the lm_head)."""
   params: Any                     # drafter.DrafterParams
   config: Any                     # drafter.DrafterConfig
   path: str | None = None
@@ -287,7 +288,8 @@ def load_drafter(path: str, target: Target, dtype=None, int8: bool = False) -> D
   )
   params = _place_sharded(host, dtype, target.mesh, target.rules)
   if int8:
-    params = sharding.shard_params(quantize_int8(params, target.params), target.mesh, target.rules)
+    params = sharding.shard_params(jax.jit(quantize_int8)(params, target.params), target.mesh,
+                                   target.rules)
   return Drafter(params=params, config=cfg, path=path)
 
 

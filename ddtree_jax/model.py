@@ -51,15 +51,18 @@ def dense(spec, x, w, out_dtype=None):
 
   For an Int8Weight, W8A8: each row of x (its contracted dims) is quantized to int8 with its own
   scale max|row| / 127, the GEMM is int8 x int8 -> int32, and both scales multiply the output.
-  On the H200 that ran the drafter's GEMMs at 16 rows 1.2-1.7x faster than bf16; int8 weights
-  with bf16 activations were no faster (the in-GEMM convert makes it compute-bound; WORKSPACE.md,
-  ninth session)."""
+  On the H200 at 16 rows that ran the drafter's q+k+v, gate/up, down and lm_head GEMMs 1.26-1.68x
+  faster than bf16 (o about as fast); int8 weights with bf16 activations were mostly no faster
+  (the in-GEMM convert makes them compute-bound; WORKSPACE.md, ninth session)."""
   if not isinstance(w, Int8Weight):
     return jnp.einsum(spec, x, w) if out_dtype is None else einsum_f32(spec, x, w).astype(out_dtype)
   (xs, ws), out = spec.split("->")[0].split(","), spec.split("->")[1]
   kept = "".join(c for c in xs if c in out)
   if out != kept + "".join(c for c in ws if c in out):
     raise ValueError(f"dense: output of {spec!r} must be x's kept dims, then w's")
+  if w.scale.ndim != len(out) - len(kept):
+    raise ValueError(f"dense: {spec!r} has {len(out) - len(kept)} output dims of w, its int8 "
+                     f"scale {w.scale.ndim} (quantize_int8's num_in does not match)")
   contracted = tuple(i for i, c in enumerate(xs) if c not in out)
   xf = x.astype(jnp.float32)
   amax = jnp.max(jnp.abs(xf), axis=contracted, keepdims=True)

@@ -118,6 +118,8 @@ def drafter_block_logits(dparams: drafter_lib.DrafterParams, dcfg: drafter_lib.D
   taps [B, S, k*H]: the target's tap features of tokens [B, S]; anchors [B, A] int32 (each block
   is [x_a, MASK x (bs-1)] at positions a..a+bs-1 and sees the context rows p < a).
   """
+  if dparams.lm_head is not None:
+    raise ValueError("an int8 drafter is for inference: train the float drafter, then quantize it")
   lc, bs = dcfg.layers, dcfg.block_size
   b, s = tokens.shape
   a = anchors.shape[1]
@@ -126,7 +128,7 @@ def drafter_block_logits(dparams: drafter_lib.DrafterParams, dcfg: drafter_lib.D
   first = jnp.take_along_axis(tokens, anchors, axis=1)                       # [B, A]
   block = jnp.concatenate([first[..., None], jnp.full((b, a, bs - 1), dcfg.mask_token_id,
                                                       tokens.dtype)], axis=-1)
-  x = tparams.embed[block.reshape(b, a * bs)].astype(dparams.fc.dtype)
+  x = tparams.embed[block.reshape(b, a * bs)].astype(dparams.hidden_norm.dtype)
   positions = (anchors[..., None] + jnp.arange(bs, dtype=jnp.int32)).reshape(b, a * bs)
   cos, sin = model.rope_tables(lc, positions, x.dtype)
   attn = functools.partial(block_attention, block_size=bs)

@@ -239,7 +239,8 @@ def sweep(args, keys):
       qw = model.quantize_int8(w)
       w, scale = qw.q.T, qw.scale
     wt = jnp.asarray(w.T)
-    # XLA's form of the GEMM: model.dense (the int8 convert fused into the GEMM, scale after)
+    # XLA's form of the GEMM: weight-only int8 (the convert fused into the GEMM, scale after);
+    # model.dense runs W8A8 instead (see --formats)
     xla_mm = ((lambda x, w, s: (jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
                                 * s).astype(x.dtype)) if args.int8 else (lambda x, w, s: x @ w))
     for m in args.rows:
@@ -315,6 +316,7 @@ def formats(args, keys):
   names = args.formats.split(",")
   print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
   print(f"{'gemm':>8} {'M':>4} " + " ".join(f"{n + ' us':>9} {'GB/s':>6} {'err':>7}" for n in names))
+  rows = []
   for name, (k, n) in gemm_shapes(args).items():
     w = jax.random.normal(keys[1], (k, n), jnp.float32) * k ** -0.5
     for m in args.rows:
@@ -336,7 +338,9 @@ def formats(args, keys):
         sec, _ = ba.time_loop(lambda x, w, s: fb(x, mm(x, w, s)), x, (wq, sw), args.round_ms,
                               args.rounds, trips)
         cells.append(f"{sec * 1e6:>9.1f} {wq.nbytes / sec / 1e9:>6.0f} {err:>7.1e}")
+        rows.append(dict(gemm=name, rows=m, format=fmt, us=sec * 1e6, err=err))
       print(f"{name:>8} {m:>4} " + " ".join(cells), flush=True)
+  return rows
 
 
 def main(argv=None):

@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import ddtree_jax as dj
-from ddtree_jax import checkpoint, model, sharding
+from ddtree_jax import checkpoint, model, sharding, training
 from helpers import write_drafter, write_target
 
 M = 24
@@ -61,6 +61,8 @@ def test_dense_with_int8_weight_is_w8a8():
   assert y.dtype == jnp.float32 and y.shape == (2, 3, 6)
   with pytest.raises(ValueError, match="kept dims"):
     model.dense("bth,hv->vbt", jnp.asarray(x[..., 0, :4]), model.quantize_int8(w[:, 0]))
+  with pytest.raises(ValueError, match="num_in"):  # wo quantized as if it had one input dim
+    model.dense("btnd,ndh->bth", jnp.asarray(x), model.quantize_int8(w))
 
 
 def test_int8_drafter_drafts_near_the_float_one_and_decodes_losslessly(pair):
@@ -89,9 +91,15 @@ def test_int8_drafter_sharded_equals_unsharded(pair):
   st = dj.load_target(target.path, dtype="float32", mesh=mesh)
   sd8 = dj.load_drafter(path, st, int8=True)
   laid = lambda x, *spec: x.sharding.is_equivalent_to(NamedSharding(mesh, P(*spec)), x.ndim)
-  wq = sd8.params.layers[0].wq
-  assert laid(wq.q, "tp", None, None) and laid(wq.scale, "tp", None)   # q [N, D, H]
-  assert laid(sd8.params.lm_head.q, "tp", None) and laid(sd8.params.lm_head.scale, "tp")
+  # q is [out..., in...]: each weight's float split moves with its dims (sharding.py's table)
+  layer, p = sd8.params.layers[0], sd8.params
+  for w, q_spec, s_spec in ((layer.wq, ("tp", None, None), ("tp", None)),
+                            (layer.wkv, (None, "tp", None, None), (None, "tp", None)),
+                            (layer.wo, (None, "tp", None), (None,)),
+                            (layer.w_gate_up, (None, "tp", None), (None, "tp")),
+                            (layer.w_down, (None, "tp"), (None,)),
+                            (p.fc, ("tp", None), ("tp",)), (p.lm_head, ("tp", None), ("tp",))):
+    assert laid(w.q, *q_spec) and laid(w.scale, *s_spec), (w.shape, w.q.sharding, w.scale.sharding)
   np.testing.assert_allclose(dj.draft_logits(st, sd8, PROMPTS[0]),
                              dj.draft_logits(target, d8, PROMPTS[0]), rtol=1e-5, atol=1e-5)
   res = dj.generate(st, PROMPTS, method="ddtree", drafter=sd8, budget=16, max_new_tokens=M,
@@ -100,9 +108,11 @@ def test_int8_drafter_sharded_equals_unsharded(pair):
   assert res.stats["acceptance_lengths"] == want.stats["acceptance_lengths"]
 
 
-def test_int8_drafter_is_not_saved(pair, tmp_path):
+def test_int8_drafter_is_not_saved_or_trained(pair, tmp_path):
   target, path, _ = pair
   d8 = dj.load_drafter(path, target, int8=True)
   with pytest.raises(ValueError, match="int8"):
     checkpoint.save_drafter_hf(str(tmp_path / "out"), d8.params, d8.config,
                                target.config.num_layers)
+  with pytest.raises(ValueError, match="int8"):
+    training.drafter_block_logits(d8.params, d8.config, target.params, None, None, None)

@@ -137,4 +137,7 @@ def test_gemm_bench_forms_compute_the_same_layer(tmp_path):
   rows = [json.loads(line) for line in sweep.read_text().splitlines()]
   assert {r["gemm"] for r in rows} == {"qkv", "o", "gate_up", "down"}
   assert {r["impl"] for r in rows} == {"xla", "pallas"} and all(r["us"] > 0 for r in rows)
-  bench_gemm.main(["--smoke", "--formats=bf16,w8,w8a8,w8a8t,fp8", "--gemms=o"])  # the table runs
+  rows = bench_gemm.main(["--smoke", "--formats=bf16,w8,w8a8,w8a8t,fp8", "--gemms=o"])
+  err = {r["format"]: max(x["err"] for x in rows if x["format"] == r["format"]) for r in rows}
+  assert err["bf16"] < 1e-2 and err["w8"] < 3e-2 and err["w8a8"] < 3e-2 and err["fp8"] < 1e-1
+  assert err["w8a8t"] == err["w8a8"]  # the same numbers, stored K-major
