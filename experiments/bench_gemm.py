@@ -13,7 +13,8 @@ One step is a layer without attention (bf16, random weights), in three forms:
           experiment: can a plain kernel read the weights faster than XLA's picks at 33-129 rows?
 --sweep instead times each GEMM of the layer alone (each configuration's result checked against
 XLA's first; --int8: int8 weights with a per-column scale, as a quantized drafter's;
---variants=swap: the weight tile as the MMA's first operand; --vocab=V adds an lm_head), XLA's x @ w against ~20 skinny_matmul
+--variants=swap: the weight tile as the MMA's first operand; --vocab=V adds an lm_head),
+XLA's x @ w against ~20 skinny_matmul
 configurations (block_n, split-K into float32 partials, W stored [N, K]); on the H200 the best of
 them matched XLA within a few percent per layer (WORKSPACE.md, seventh session).
 Each runs n times in one jitted fori_loop (bench_attention.time_loop); the table gives us per
@@ -289,21 +290,27 @@ def _quant_rows(x, qmax, dtype):
   return (jnp.round(xs) if dtype == jnp.int8 else xs).astype(dtype), s
 
 
+def _w8(x, w, sw):
+  """int8 weights [K, N] cast to x's dtype inside the GEMM (weight-only)."""
+  y = jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+  return (y * sw).astype(x.dtype)
+
+
+def _quantized(x, w, sw, qmax, dtype, acc):
+  """x quantized per row (_quant_rows) times the stored weight [K, N], both scales after."""
+  q, s = _quant_rows(x, qmax, dtype)
+  return (jnp.dot(q, w, preferred_element_type=acc).astype(jnp.float32) * s * sw).astype(x.dtype)
+
+
 # XLA's GEMM by weight format (x bf16 [M, K] -> bf16 [M, N]); w is the stored weight, sw [N].
+# w8a8t is model.dense itself (int8 weight stored K-major, [N, K], as model.Int8Weight).
 WEIGHT_FORMATS = {
     "bf16": (jnp.bfloat16, lambda x, w, sw: x @ w),
-    "w8": (jnp.int8, lambda x, w, sw: (jnp.dot(x, w.astype(x.dtype),
-                                               preferred_element_type=jnp.float32) * sw
-                                       ).astype(x.dtype)),
-    "w8a8": (jnp.int8, lambda x, w, sw: (lambda q, s: (jnp.dot(
-        q, w, preferred_element_type=jnp.int32).astype(jnp.float32) * s * sw).astype(x.dtype))(
-            *_quant_rows(x, 127.0, jnp.int8))),
-    "w8a8t": (jnp.int8, lambda x, w, sw: (lambda q, s: (lax.dot_general(
-        q, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32).astype(jnp.float32)
-        * s * sw).astype(x.dtype))(*_quant_rows(x, 127.0, jnp.int8))),
-    "fp8": (jnp.float8_e4m3fn, lambda x, w, sw: (lambda q, s: (jnp.dot(
-        q, w, preferred_element_type=jnp.float32) * s * sw).astype(x.dtype))(
-            *_quant_rows(x, 448.0, jnp.float8_e4m3fn))),
+    "w8": (jnp.int8, _w8),
+    "w8a8": (jnp.int8, lambda x, w, sw: _quantized(x, w, sw, 127.0, jnp.int8, jnp.int32)),
+    "w8a8t": (jnp.int8, lambda x, w, sw: model.dense("mk,kn->mn", x, model.Int8Weight(w, sw))),
+    "fp8": (jnp.float8_e4m3fn,
+            lambda x, w, sw: _quantized(x, w, sw, 448.0, jnp.float8_e4m3fn, jnp.float32)),
 }
 
 
