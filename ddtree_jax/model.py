@@ -182,7 +182,11 @@ def project_qkv(layer: LayerParams, cfg: ModelConfig, h, cos, sin):
 
 def project_kv(layer: LayerParams, cfg: ModelConfig, h, cos, sin):
   """h [B, T, H] -> k, v [B, T, K, D]; k normed (Qwen3) and RoPE'd."""
-  kv = dense("bth,hskd->btskd", h, layer.wkv)
+  return kv_rows(layer, cfg, dense("bth,hskd->btskd", h, layer.wkv), cos, sin)
+
+
+def kv_rows(layer: LayerParams, cfg: ModelConfig, kv, cos, sin):
+  """The k/v projection's output kv [B, T, 2, K, D] -> k (normed, RoPE'd), v [B, T, K, D]."""
   k, v = kv[:, :, 0], kv[:, :, 1]
   if layer.k_norm is not None:
     k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)

@@ -9,6 +9,7 @@ decode-state pytree into a matching pytree of NamedShardings. Layouts (model.py,
   embed [V, H], lm_head [H, V] split V (argmax/top-k still return global ids)
   norms, q_norm, k_norm replicated; drafter fc [k*H, H] split on its output columns
   an int8 drafter's Int8Weight: q (K-major) and scale split like the float weight's dims
+  (its stacked context_wkv [H, L, 2, K, D] split K)
   KV cache [L, B, K, S, D]: B over dp, K over tp; per-sequence decode state over dp
 
 Everything else is GSPMD: params and caches carry NamedShardings and jit propagates them. The
@@ -136,9 +137,13 @@ def _drafter_specs(params: DrafterParams, mesh, rules) -> DrafterParams:
   head = params.lm_head
   if head is not None:
     head = _w(head, None, _axis(mesh, rules, "vocab", head.shape[1], "drafter lm_head vocab"))
+  ctx = params.context_wkv
+  if ctx is not None:
+    kv = _axis(mesh, rules, "kv_heads", ctx.shape[3], "drafter kv heads")
+    ctx = _w(ctx, None, None, None, kv, None)
   return DrafterParams(fc=_w(params.fc, None, fc), hidden_norm=P(),
                        layers=[_layer_specs(l, mesh, rules) for l in params.layers],
-                       final_norm=P(), lm_head=head)
+                       final_norm=P(), lm_head=head, context_wkv=ctx)
 
 
 def _cache_specs(cache: KVCache, mesh, rules) -> KVCache:

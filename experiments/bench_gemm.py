@@ -61,6 +61,9 @@ def parse_args(argv):
                  help="per GEMM of the layer: XLA's x @ w vs skinny_matmul launch configurations")
   p.add_argument("--formats", default="",
                  help="instead: XLA's GEMM per weight format, e.g. bf16,w8,w8a8,fp8")
+  p.add_argument("--w8a8", action="store_true",
+                 help="--sweep: model.dense's W8A8 (XLA) against skinny int8 x int8 GEMMs "
+                      "(--variants=int8t,int8swap)")
   p.add_argument("--int8", action="store_true",
                  help="--sweep with int8 weights (+ per-column scale) against XLA's fused convert")
   p.add_argument("--variants", default="plain,transposed,swap",
@@ -97,13 +100,14 @@ def layer_step(x, wqkv, wo, wgu, wd):
 def _skinny_kernel(x_ref, w_ref, o_ref, *, m, mp, block_k, n_k, transposed, swap):
   """One (column block, K split) program: acc [mp, block_n] += x[:, k] @ w[k, cols] over its
   n_k blocks of block_k; w is [K, N], or [N, K] when `transposed` (rows of W^T contiguous).
-  An int8 w is cast to x's dtype in registers. `swap` computes acc^T [block_n, mp] = w^T x^T, so
+  An int8 w is cast to x's dtype in registers (int8 x: int8 x int8 -> int32 accumulation). `swap` computes acc^T [block_n, mp] = w^T x^T, so
   the weight tile is the MMA's first operand (Hopper wgmma needs >= 64 rows there; x's 16-64
   rows fit its N) and the output is transposed once at the end."""
   rows_ok = (jnp.arange(mp) < m)[:, None]
   k0 = pl.program_id(1) * n_k * block_k
   bn = w_ref.shape[0 if transposed else 1]
   w_k = 1 if transposed else 0  # w's contracting dim
+  acc_t = jnp.int32 if x_ref.dtype == jnp.int8 else jnp.float32
 
   def body(i, acc):
     k = k0 + i * block_k
@@ -111,12 +115,10 @@ def _skinny_kernel(x_ref, w_ref, o_ref, *, m, mp, block_k, n_k, transposed, swap
     w = plgpu.load(w_ref.at[:, pl.ds(k, block_k)] if transposed
                    else w_ref.at[pl.ds(k, block_k), :]).astype(x.dtype)
     if swap:
-      return acc + lax.dot_general(w, x, (((w_k,), (1,)), ((), ())),
-                                   preferred_element_type=jnp.float32)
-    return acc + lax.dot_general(x, w, (((1,), (w_k,)), ((), ())),
-                                 preferred_element_type=jnp.float32)
+      return acc + lax.dot_general(w, x, (((w_k,), (1,)), ((), ())), preferred_element_type=acc_t)
+    return acc + lax.dot_general(x, w, (((1,), (w_k,)), ((), ())), preferred_element_type=acc_t)
 
-  acc = lax.fori_loop(0, n_k, body, jnp.zeros((bn, mp) if swap else (mp, bn), jnp.float32))
+  acc = lax.fori_loop(0, n_k, body, jnp.zeros((bn, mp) if swap else (mp, bn), acc_t))
   plgpu.store(o_ref.at[pl.ds(0, mp), :], (acc.T if swap else acc).astype(o_ref.dtype),
               mask=rows_ok)
 
@@ -126,7 +128,8 @@ def _skinny_kernel(x_ref, w_ref, o_ref, *, m, mp, block_k, n_k, transposed, swap
 def skinny_matmul(x, w, *, block_n=None, block_k=128, splits=1, transposed=False, swap=False,
                   num_warps=4, num_stages=None, interpret=None):
   """x [M, K] @ w [K, N] (or w [N, K] with `transposed`) -> [M, N] in x's dtype, float32
-  accumulation; w bf16 or int8 (cast in the kernel; scale the output outside). With splits > 1
+  accumulation; w bf16 or int8 (cast in the kernel; scale the output outside). x and w both
+  int8 (W8A8): int32 accumulation and output. With splits > 1
   each of `splits` programs per column block sums a K/splits slice into a float32 partial and
   the partials are added in jnp (XLA fuses that into the consumer). `swap`: see _skinny_kernel.
   block_n defaults to the largest power of two <= 128 that still gives >= 128 programs (about a
@@ -150,7 +153,7 @@ def skinny_matmul(x, w, *, block_n=None, block_k=128, splits=1, transposed=False
                              transposed=transposed, swap=swap)
   w_spec = (pl.BlockSpec((block_n, k), lambda j, s: (j, 0)) if transposed
             else pl.BlockSpec((k, block_n), lambda j, s: (0, j)))
-  out_dtype = x.dtype if splits == 1 else jnp.float32
+  out_dtype = jnp.int32 if x.dtype == jnp.int8 else x.dtype if splits == 1 else jnp.float32
   out = pl.pallas_call(
       kernel, grid=(n // block_n, splits),
       in_specs=[pl.BlockSpec((m, k), lambda j, s: (0, 0)), w_spec],
@@ -159,7 +162,9 @@ def skinny_matmul(x, w, *, block_n=None, block_k=128, splits=1, transposed=False
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=jax.default_backend() == "cpu" if interpret is None else interpret,
       name="skinny_matmul")(x, w)
-  return out[0] if splits == 1 else out.sum(axis=0).astype(x.dtype)
+  if splits == 1:
+    return out[0]
+  return out.sum(axis=0) if x.dtype == jnp.int8 else out.sum(axis=0).astype(x.dtype)
 
 
 def pallas_layer_step(x, wqkv, wo, wgu, wd, **kw):
@@ -197,11 +202,15 @@ def sweep_configs(k, n, min_programs=120, variants="plain,transposed,swap"):
   """skinny_matmul launch configurations worth timing for w [K, N]: 120-4000 programs."""
   out = []
   kinds = {"plain": (False, False, (64, 128, 256)), "transposed": (True, False, (16, 32, 64)),
-           "swap": (False, True, (64, 128, 256))}
+           "swap": (False, True, (64, 128, 256)),
+           # W8A8 (int8 x and K-major int8 w): half the bytes per tile, so longer K blocks
+           "int8t": (True, False, (32, 64, 128)), "int8swap": (True, True, (64, 128, 256))}
   for variant in variants.split(","):
     transposed, swap, block_ns = kinds[variant]
     for bn in block_ns:
-      if swap:
+      if variant.startswith("int8"):
+        bks = (128, 256) if bn * 256 > 16384 else (256, 512)
+      elif swap:
         bks = (64, 128) if bn == 256 else (128, 256)
       else:
         bks = ((64 if bn >= 256 else 128) if not transposed else (256 if bn <= 32 else 128),)
@@ -236,14 +245,20 @@ def sweep(args, keys):
   for name, (k, n) in gemm_shapes(args).items():
     w = (jax.random.normal(keys[1], (k, n), jnp.float32) * k ** -0.5).astype(jnp.bfloat16)
     scale = jnp.ones((n,), jnp.float32)
-    if args.int8:  # model.quantize_int8's values: int8 [K, N] and a float32 scale per column
+    if args.int8 or args.w8a8:  # model.quantize_int8's values: int8 [K, N], float32 scale [N]
       qw = model.quantize_int8(w)
       w, scale = qw.q.T, qw.scale
     wt = jnp.asarray(w.T)
+    if args.w8a8:  # model.dense's W8A8 against the skinny kernel on the same quantized rows
+      w = wt  # K-major [N, K], as model.Int8Weight stores it
+      xla_mm = lambda x, w, s: model.dense("mk,kn->mn", x, model.Int8Weight(w, s))
     # XLA's form of the GEMM: weight-only int8 (the convert fused into the GEMM, scale after);
     # model.dense runs W8A8 instead (see --formats)
-    xla_mm = ((lambda x, w, s: (jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
-                                * s).astype(x.dtype)) if args.int8 else (lambda x, w, s: x @ w))
+    elif args.int8:
+      xla_mm = lambda x, w, s: (jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+                                * s).astype(x.dtype)
+    else:
+      xla_mm = lambda x, w, s: x @ w
     for m in args.rows:
       x = (jax.random.normal(keys[0], (m, k), jnp.float32) * 0.1).astype(jnp.bfloat16)
       rows = []
@@ -253,11 +268,13 @@ def sweep(args, keys):
       want = xla_mm(x, w, scale).astype(jnp.float32)
       for cfg in sweep_configs(k, n, min_programs, args.variants):
         mm = functools.partial(skinny_matmul, **cfg)
-        if args.int8:
+        if args.w8a8:
+          mm = lambda x, w, s, mm=mm: _w8a8_skinny(mm, x, w, s)
+        elif args.int8:
           mm = lambda x, w, s, mm=mm: (mm(x, w).astype(jnp.float32) * s).astype(x.dtype)
         else:
           mm = lambda x, w, s, mm=mm: mm(x, w)
-        wc = wt if cfg["transposed"] else w
+        wc = w if args.w8a8 else wt if cfg["transposed"] else w
         try:
           err = float(jnp.max(jnp.abs(mm(x, wc, scale) - want)) / jnp.max(jnp.abs(want)))
           if err > 2e-2:
@@ -281,6 +298,12 @@ def sweep(args, keys):
           fh.writelines(json.dumps(r) + "\n" for r in rows)
   for m, (xla_us, best_us) in total.items():
     print(f"layer M={m}: xla {xla_us:.1f} us, best skinny_matmul per GEMM {best_us:.1f} us")
+
+
+def _w8a8_skinny(mm, x, w, sw):
+  """model.dense's W8A8 with the int8 x int8 -> int32 GEMM a skinny_matmul (w K-major [N, K])."""
+  q, s = _quant_rows(x, 127.0, jnp.int8)
+  return (mm(q, w).astype(jnp.float32) * s * sw).astype(x.dtype)
 
 
 def _quant_rows(x, qmax, dtype):

@@ -1,6 +1,9 @@
 """Int8 (W8A8) drafter: the quantization, the int8 matmul, and decoding with it stays lossless
 (the drafts change a little; the output is still the target's)."""
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -82,6 +85,25 @@ def test_int8_drafter_drafts_near_the_float_one_and_decodes_losslessly(pair):
     assert res.tokens == ar, (method, budget)
 
 
+def test_int8_context_kv_uses_the_stacked_weight(pair):
+  """The context rows' k/v come from one GEMM over every layer's stacked int8 k/v weight: the same
+  int8 values as the layers' own, so exactly the per-layer result."""
+  target, path, _ = pair
+  d8 = dj.load_drafter(path, target, int8=True)
+  p, layers = d8.params, d8.params.layers
+  assert p.context_wkv.shape == (layers[0].wkv.shape[0], len(layers)) + layers[0].wkv.shape[1:]
+  for i, layer in enumerate(layers):
+    np.testing.assert_array_equal(p.context_wkv.q[i], layer.wkv.q)
+    np.testing.assert_array_equal(p.context_wkv.scale[i], layer.wkv.scale)
+  rng = np.random.default_rng(2)
+  taps = jnp.asarray(rng.standard_normal((2, 5, p.fc.shape[0])), jnp.float32)
+  pos = jnp.asarray(np.arange(10).reshape(2, 5), jnp.int32)
+  got = d8.config.context(p, taps, pos)
+  want = d8.config.context(dataclasses.replace(p, context_wkv=None), taps, pos)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(a, b)
+
+
 def test_int8_drafter_sharded_equals_unsharded(pair):
   target, path, ar = pair
   d8 = dj.load_drafter(path, target, int8=True)
@@ -98,7 +120,8 @@ def test_int8_drafter_sharded_equals_unsharded(pair):
                             (layer.wo, (None, "tp", None), (None,)),
                             (layer.w_gate_up, (None, "tp", None), (None, "tp")),
                             (layer.w_down, (None, "tp"), (None,)),
-                            (p.fc, ("tp", None), ("tp",)), (p.lm_head, ("tp", None), ("tp",))):
+                            (p.fc, ("tp", None), ("tp",)), (p.lm_head, ("tp", None), ("tp",)),
+                            (p.context_wkv, (None, None, "tp", None, None), (None, None, "tp"))):
     assert laid(w.q, *q_spec) and laid(w.scale, *s_spec), (w.shape, w.q.sharding, w.scale.sharding)
   np.testing.assert_allclose(dj.draft_logits(st, sd8, PROMPTS[0]),
                              dj.draft_logits(target, d8, PROMPTS[0]), rtol=1e-5, atol=1e-5)
