@@ -49,6 +49,8 @@ flags.DEFINE_bool("drafter_int8", False, "an int8 (W8A8) drafter (drafter.quanti
 flags.DEFINE_integer("top", 20, "kernels listed per run")
 flags.DEFINE_string("trace_dir", "", "keep the traces (and each run's optimized HLO) here "
                     "(default: a temporary directory)")
+flags.DEFINE_bool("memcpys", False, "also list the device memcpys per step by the HLO op that "
+                  "issued them (e.g. a loop's dynamic-update-slice or carry copy)")
 flags.DEFINE_bool("command_buffers", False, "keep XLA's CUDA graphs (their kernels are not traced)")
 flags.DEFINE_string("tree_attention", "",
                     "override the Pallas launch rule for trees (T x G > 64), e.g. "
@@ -249,6 +251,23 @@ def main(_):
     print(f"{'kernel':<64}{'calls':>7}{'us/step':>10}{'share':>8}")
     for name, c, us, share in rows:
       print(f"{name[:63]:<64}{c:>7.1f}{us:>10.1f}{share:>8.1%}")
+    if FLAGS.memcpys:
+      print_memcpys(events, n)
+
+
+def print_memcpys(events, n: int):
+  """Memcpy events per step, by (kind, HLO op): the tenth session found 56 tiny device copies
+  per DDTree step this way (the tree's beam scan)."""
+  calls, us = collections.Counter(), collections.Counter()
+  for name, dur, op in events:
+    if name.startswith("Memcpy"):
+      calls[(name, op)] += 1
+      us[(name, op)] += dur
+  print(f"{'memcpy':<12}{'hlo op':<52}{'calls':>7}{'us/step':>10}")
+  for (name, op), c in calls.most_common():
+    print(f"{name:<12}{op[:51]:<52}{c / n:>7.1f}{us[(name, op)] / n:>10.1f}")
+  if not calls:
+    print("(none)")
 
 
 if __name__ == "__main__":

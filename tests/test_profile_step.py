@@ -125,3 +125,14 @@ def test_op_stages_reads_scopes_and_deduplicated_fusions():
   assert st["fusion_3"] == "mixed"  # the kernel name of both fusion.3 and fusion.7
   assert st["gemm.4"] == "verify" and st["gemm.5"] == "?" and st["gemm_4"] == "verify"
   assert st["add.6"] == "loop"
+
+
+def test_print_memcpys_groups_by_op_per_step(capsys):
+  ev = [("MemcpyD2D", 0.75, "loop_dynamic_update_slice_fusion.4"), ("fusion", 3.0, "fusion.1"),
+        ("MemcpyD2D", 0.77, "loop_dynamic_update_slice_fusion.4"), ("MemcpyD2H", 1.5, "while.30")]
+  profile_step.print_memcpys(ev, 2)
+  out = capsys.readouterr().out.splitlines()
+  assert out[1].split() == ["MemcpyD2D", "loop_dynamic_update_slice_fusion.4", "1.0", "0.8"]
+  assert out[2].split() == ["MemcpyD2H", "while.30", "0.5", "0.8"]
+  profile_step.print_memcpys(ev[1:2], 1)
+  assert capsys.readouterr().out.splitlines()[-1] == "(none)"
