@@ -222,7 +222,8 @@ _DRAFTER_UNIT_FIELDS = ("input_embedding_scale", "output_multiplier")
 @dataclasses.dataclass(frozen=True)
 class Drafter:
   """A loaded DFlash drafter; the target's embedding and lm_head are shared, never copied (an
-  int8 drafter holds its own int8 copy of the lm_head)."""
+  int8 drafter holds its own int8 copy of the lm_head, and its layers' k/v weights once more,
+  stacked for the context rows)."""
   params: Any                     # drafter.DrafterParams
   config: Any                     # drafter.DrafterConfig
   path: str | None = None

@@ -7,8 +7,9 @@ Block: target embeddings of [bonus, MASK x (bs-1)] at positions start..start+bs-
 block only, non-causal over [context; block]. Output slot j (1..bs-1) is the distribution of the
 token AT position start+j: the drafter's final norm, then the target's lm_head.
 
-`quantize_int8` makes an int8 drafter (its matrices and its own int8 copy of the lm_head, run as
-int8 x int8 GEMMs by `model.dense`): half the bytes a draft reads. Only the drafts change; the
+`quantize_int8` makes an int8 drafter (its matrices, its own int8 copy of the lm_head and its
+layers' k/v weights stacked for the context rows, run as int8 x int8 GEMMs by `model.dense`):
+half the bytes a draft reads. Only the drafts change; the
 output is still the target's.
 """
 
@@ -108,8 +109,9 @@ def draft_logits(params: DrafterParams, cfg: DrafterConfig, target_params: model
 def quantize_int8(params: DrafterParams, target_params: model.Params) -> DrafterParams:
   """Int8 drafter: fc and every layer's matrices, per output channel, plus an int8 copy of the
   target's lm_head ([H, V], from the tied embedding when there is no lm_head) that only the
-  drafter reads, and its layers' k/v weights stacked for the context rows (`context_wkv`). Norms stay in their dtype; `model.dense` quantizes each GEMM's input rows on the
-  fly (W8A8), everything between the GEMMs stays in the params' dtype."""
+  drafter reads, and its layers' k/v weights stacked for the context rows (`context_wkv`).
+  Norms stay in their dtype; `model.dense` quantizes each GEMM's input rows on the fly (W8A8),
+  everything between the GEMMs stays in the params' dtype."""
   q = model.quantize_int8
   layers = [dataclasses.replace(l, wq=q(l.wq), wkv=q(l.wkv), wo=q(l.wo, 2), w_gate_up=q(l.w_gate_up),
                                 w_down=q(l.w_down)) for l in params.layers]

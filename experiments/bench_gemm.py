@@ -66,8 +66,9 @@ def parse_args(argv):
                       "(--variants=int8t,int8swap)")
   p.add_argument("--int8", action="store_true",
                  help="--sweep with int8 weights (+ per-column scale) against XLA's fused convert")
-  p.add_argument("--variants", default="plain,transposed,swap",
-                 help="--sweep skinny_matmul variants: plain, transposed, swap")
+  p.add_argument("--variants", default=None,
+                 help="--sweep skinny_matmul variants: plain, transposed, swap (default all "
+                      "three); with --w8a8 int8t, int8swap (default both)")
   p.add_argument("--gemms", default="", help="--sweep only these (qkv, o, gate_up, down, lm_head)")
   p.add_argument("--vocab", type=int, default=0, help="--sweep also an lm_head [hidden, vocab]")
   p.add_argument("--round_ms", type=float, default=20.0)
@@ -75,6 +76,12 @@ def parse_args(argv):
   p.add_argument("--json_out", default="")
   p.add_argument("--smoke", action="store_true")
   args = p.parse_args(argv)
+  int8_variants = {"int8t", "int8swap"}
+  if args.variants is None:
+    args.variants = ",".join(sorted(int8_variants)) if args.w8a8 else "plain,transposed,swap"
+  if args.w8a8 and not set(args.variants.split(",")) <= int8_variants:
+    raise ValueError(f"--w8a8 runs the int8 x int8 variants int8t, int8swap (K-major weights), "
+                     f"not {args.variants!r}")
   if args.smoke:
     args.rows, args.hidden, args.qkv, args.intermediate = [1, 5], 64, 128, 128
     args.round_ms, args.rounds = 1.0, 1
@@ -100,9 +107,10 @@ def layer_step(x, wqkv, wo, wgu, wd):
 def _skinny_kernel(x_ref, w_ref, o_ref, *, m, mp, block_k, n_k, transposed, swap):
   """One (column block, K split) program: acc [mp, block_n] += x[:, k] @ w[k, cols] over its
   n_k blocks of block_k; w is [K, N], or [N, K] when `transposed` (rows of W^T contiguous).
-  An int8 w is cast to x's dtype in registers (int8 x: int8 x int8 -> int32 accumulation). `swap` computes acc^T [block_n, mp] = w^T x^T, so
-  the weight tile is the MMA's first operand (Hopper wgmma needs >= 64 rows there; x's 16-64
-  rows fit its N) and the output is transposed once at the end."""
+  An int8 w is cast to x's dtype in registers (both int8: int8 x int8 -> int32). `swap`
+  computes acc^T [block_n, mp] = w^T x^T, so the weight tile is the MMA's first operand (Hopper
+  wgmma needs >= 64 rows there; x's 16-64 rows fit its N) and the output is transposed once at
+  the end."""
   rows_ok = (jnp.arange(mp) < m)[:, None]
   k0 = pl.program_id(1) * n_k * block_k
   bn = w_ref.shape[0 if transposed else 1]
@@ -129,9 +137,9 @@ def skinny_matmul(x, w, *, block_n=None, block_k=128, splits=1, transposed=False
                   num_warps=4, num_stages=None, interpret=None):
   """x [M, K] @ w [K, N] (or w [N, K] with `transposed`) -> [M, N] in x's dtype, float32
   accumulation; w bf16 or int8 (cast in the kernel; scale the output outside). x and w both
-  int8 (W8A8): int32 accumulation and output. With splits > 1
-  each of `splits` programs per column block sums a K/splits slice into a float32 partial and
-  the partials are added in jnp (XLA fuses that into the consumer). `swap`: see _skinny_kernel.
+  int8 (W8A8): int32 accumulation and output. With splits > 1 each of `splits` programs per
+  column block sums a K/splits slice into a float32 (int32) partial and the partials are added
+  in jnp (XLA fuses that into the consumer). `swap`: see _skinny_kernel.
   block_n defaults to the largest power of two <= 128 that still gives >= 128 programs (about a
   wave on an H200); num_stages to as many (<= 4) as fit ~200 KB of shared memory (227 KB)."""
   m, k = x.shape

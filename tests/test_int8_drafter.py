@@ -102,6 +102,13 @@ def test_int8_context_kv_uses_the_stacked_weight(pair):
   want = d8.config.context(dataclasses.replace(p, context_wkv=None), taps, pos)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_array_equal(a, b)
+  # it reads the stacked weight, not the layers' own: zeroing theirs changes nothing
+  zeroed = [dataclasses.replace(l, wkv=dataclasses.replace(l.wkv, q=jnp.zeros_like(l.wkv.q)))
+            for l in layers]
+  for a, b in zip(jax.tree.leaves(d8.config.context(dataclasses.replace(p, layers=zeroed), taps,
+                                                    pos)), jax.tree.leaves(got)):
+    np.testing.assert_array_equal(a, b)
+  assert float(jnp.max(jnp.abs(got[0][0]))) > 0
 
 
 def test_int8_drafter_sharded_equals_unsharded(pair):

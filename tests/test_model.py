@@ -126,6 +126,18 @@ def test_gemm_bench_forms_compute_the_same_layer(tmp_path):
     got = bench_gemm.skinny_matmul(xi, wi, block_n=64, swap=swap)
     np.testing.assert_allclose(np.asarray(got), np.asarray(xi @ wi.astype(jnp.float32)),
                                rtol=1e-5, atol=2e-3)  # |entries| up to ~1e3
+  # int8 x int8 (--sweep --w8a8): K-major weight, exact int32 sums, split-K and swapped too
+  qx = jnp.asarray(rng.integers(-127, 128, size=(5, 512)), jnp.int8)
+  qw = jnp.asarray(rng.integers(-127, 128, size=(256, 512)), jnp.int8)  # [N, K]
+  want = np.asarray(qx, np.int64) @ np.asarray(qw, np.int64).T
+  configs = bench_gemm.sweep_configs(512, 256, min_programs=1, variants="int8t,int8swap")
+  assert {c["splits"] for c in configs} > {1} and {c["swap"] for c in configs} == {False, True}
+  for c in configs:
+    got = bench_gemm.skinny_matmul(qx, qw, **c)
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(got), want)
+  with pytest.raises(ValueError, match="int8t"):
+    bench_gemm.parse_args(["--sweep", "--w8a8", "--variants=plain"])
   out = tmp_path / "gemm.jsonl"
   bench_gemm.main(["--smoke", "--forms=flat,model,sbt,pallas", f"--json_out={out}"])
   rows = [json.loads(line) for line in out.read_text().splitlines()]

@@ -220,13 +220,15 @@ def test_matches_heap_flat_heads(counts):
 def test_gather_count_does_not_grow_with_depth():
   """The ancestor matrix is a transitive closure, not a chain of L dependent parent gathers: XLA's
   GPU emitter fuses such a chain and re-emits each index per use (compile time ~3^L, minutes at
-  L=15 on the H200). The lowered closure must hold as many gathers at depth 15 as at depth 3.
-  (The beam is unrolled over the depths, but each depth's gathers feed a reduction, not the next
-  gather.)"""
+  L=15 on the H200). The closure lowers without gathers; the beam, unrolled over the depths, adds
+  the same gathers per depth (each depth's feed a reduction, not the next depth's gathers)."""
+  closure = jax.jit(lambda p: tree_lib.ancestor_closure(p, 15))
+  assert closure.lower(jnp.zeros((33,), jnp.int32)).as_text().count("gather") == 0
   def gathers(depth):
-    f = jax.jit(lambda p: tree_lib.ancestor_closure(p, depth))
-    return f.lower(jnp.zeros((33,), jnp.int32)).as_text().count("gather")
-  assert gathers(15) == gathers(3)
+    f = jax.jit(lambda x: build_tree(x, 32))
+    return f.lower(jnp.zeros((2, depth, 64), jnp.float32)).as_text().count("gather")
+  per_depth = gathers(4) - gathers(3)
+  assert 0 < per_depth and gathers(15) - gathers(3) == 12 * per_depth
 
 
 @pytest.mark.parametrize("n,k,chunk", [(5000, 32, None), (5000, 7, 16), (4096, 64, 8), (1000, 3, 64),
