@@ -9,8 +9,7 @@ token AT position start+j: the drafter's final norm, then the target's lm_head.
 
 `quantize_int8` makes an int8 drafter (its matrices, its own int8 copy of the lm_head and its
 layers' k/v weights stacked for the context rows, run as int8 x int8 GEMMs by `model.dense`):
-half the bytes a draft reads. Only the drafts change; the
-output is still the target's.
+half the bytes a draft reads. Only the drafts change; the output is still the target's.
 """
 
 from __future__ import annotations
@@ -80,7 +79,8 @@ def context_kv(params: DrafterParams, cfg: DrafterConfig, taps, positions):
     kv = [model.project_kv(layer, lc, ctx, cos, sin) for layer in params.layers]
   else:
     stacked = model.dense("brh,hlskd->brlskd", ctx, params.context_wkv)
-    kv = [model.kv_rows(layer, lc, stacked[:, :, i], cos, sin) for i, layer in enumerate(params.layers)]
+    kv = [model.kv_rows(layer, lc, stacked[:, :, i], cos, sin)
+          for i, layer in enumerate(params.layers)]
   return [k for k, _ in kv], [v for _, v in kv]
 
 
