@@ -257,11 +257,12 @@ def sweep(args, keys):
       qw = model.quantize_int8(w)
       w, scale = qw.q.T, qw.scale
     wt = jnp.asarray(w.T)
-    if args.w8a8:  # model.dense's W8A8 against the skinny kernel on the same quantized rows
-      w = wt  # K-major [N, K], as model.Int8Weight stores it
+    # XLA's form of the GEMM. --w8a8: model.dense itself (W8A8, int8 weight K-major [N, K] as
+    # model.Int8Weight stores it); --int8: weight-only int8 (the convert fused into the GEMM,
+    # scale after); else bf16.
+    if args.w8a8:
+      w = wt
       xla_mm = lambda x, w, s: model.dense("mk,kn->mn", x, model.Int8Weight(w, s))
-    # XLA's form of the GEMM: weight-only int8 (the convert fused into the GEMM, scale after);
-    # model.dense runs W8A8 instead (see --formats)
     elif args.int8:
       xla_mm = lambda x, w, s: (jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
                                 * s).astype(x.dtype)
