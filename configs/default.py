@@ -58,6 +58,8 @@ def get_config():
   c.drafter = os.environ.get("DDTREE_DRAFTER", drafter if "DDTREE_TARGET" not in os.environ else "")
   c.dtype = "float32"                                # float32 | bfloat16 | float16
   c.drafter_int8 = False                             # int8 W8A8 drafter (drafter.quantize_int8)
+  c.draft_vocab = ""                                 # .npy of the ids to draft over ("" = all;
+                                                     # drafter.restrict_vocab, frequent_tokens)
   c.methods = "ar,chain,ddtree" if c.drafter else "ar"  # comma list of ar, chain, ddtree
   c.budgets = "8,32"                                 # ddtree budgets, each in [1, 1024]
   c.prompts = ("def is_palindrome(s):", "def fib(n):", "import os\n")

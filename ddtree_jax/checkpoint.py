@@ -272,11 +272,14 @@ def drafter_config_from_hf(cfg: dict[str, Any], target: ModelConfig):
                        target_layer_ids=ids)
 
 
-def load_drafter(path: str, target: Target, dtype=None, int8: bool = False) -> Drafter:
+def load_drafter(path: str, target: Target, dtype=None, int8: bool = False,
+                 draft_vocab=None) -> Drafter:
   """Loads a z-lab-format DFlash drafter directory for `target` (dtype defaults to the target's).
   On a sharded target the drafter is sharded on the same mesh with the same rules.
-  int8=True: an int8 (W8A8) drafter with its own int8 lm_head (`drafter.quantize_int8`)."""
-  from ddtree_jax.drafter import DrafterParams, quantize_int8  # pylint: disable=import-outside-toplevel
+  int8=True: an int8 (W8A8) drafter with its own int8 lm_head (`drafter.quantize_int8`).
+  draft_vocab: vocabulary ids [Vd] (or a .npy file of them) the drafter drafts over, with its own
+  lm_head over those ids (`drafter.restrict_vocab`); None: the whole vocabulary."""
+  from ddtree_jax.drafter import DrafterParams, quantize_int8, restrict_vocab  # pylint: disable=import-outside-toplevel
   cfg = drafter_config_from_hf(read_config(path), target.config)
   dtype = target.dtype if dtype is None else parse_dtype(dtype)
   r = TensorReader(read_checkpoint_tensors(path), path)
@@ -291,6 +294,11 @@ def load_drafter(path: str, target: Target, dtype=None, int8: bool = False) -> D
   if int8:
     params = sharding.shard_params(jax.jit(quantize_int8)(params, target.params), target.mesh,
                                    target.rules)
+  if draft_vocab is not None:
+    if isinstance(draft_vocab, str):
+      draft_vocab = np.load(draft_vocab, allow_pickle=False)
+    params = sharding.shard_params(restrict_vocab(params, target.params, draft_vocab),
+                                   target.mesh, target.rules)
   return Drafter(params=params, config=cfg, path=path)
 
 
@@ -460,7 +468,8 @@ def save_drafter_hf(path: str, params, dcfg, num_target_layers: int, dtype="bflo
   fc / hidden_norm / norm / layers.{i}.*): the exact inverse of `load_drafter`."""
   lc = dcfg.layers
   if params.lm_head is not None:
-    raise ValueError("an int8-quantized drafter cannot be saved; save the float drafter it came from")
+    raise ValueError("a drafter with its own lm_head (int8-quantized or a restricted draft "
+                     "vocabulary) cannot be saved; save the float drafter it came from")
   dt = np.dtype(parse_dtype(dtype))
   dtype_name = {np.dtype(jnp.bfloat16): "bfloat16", np.dtype(np.float32): "float32",
                 np.dtype(np.float16): "float16"}[dt]

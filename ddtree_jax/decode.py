@@ -116,13 +116,21 @@ def _advance(lc, dparams, dcfg, state, new_k, new_v, taps, src, emitted, tau, ke
       accepted=state.accepted.at[state.step].set(count), step=state.step + 1, key=key)
 
 
-def make_tree(lc: LoopConfig, draft_logits, bonus):
-  """The tree each method verifies: the root alone (AR), the greedy chain, or the DDTree tree."""
+def make_tree(lc: LoopConfig, draft_logits, bonus, draft_vocab=None):
+  """The tree each method verifies: the root alone (AR), the greedy chain, or the DDTree tree.
+
+  draft_vocab [Vd]: the drafter's logits cover these vocabulary ids only
+  (`drafter.restrict_vocab`); the drafted nodes' tokens are mapped back to vocabulary ids."""
   if lc.method == "ar":
     return _root_tree(bonus)
   if lc.method == "chain":
-    return tree_lib.chain_tree(draft_logits, bonus)
-  return tree_lib.build_tree(draft_logits, lc.budget, lc.topk_cap, root_token=bonus)
+    tree = tree_lib.chain_tree(draft_logits, bonus)
+  else:
+    tree = tree_lib.build_tree(draft_logits, lc.budget, lc.topk_cap, root_token=bonus)
+  if draft_vocab is None:
+    return tree
+  drafted = jnp.arange(tree.tokens.shape[-1]) > 0  # the root is the bonus, already an id
+  return dataclasses.replace(tree, tokens=jnp.where(drafted, draft_vocab[tree.tokens], tree.tokens))
 
 
 def verify_and_pick(tparams, tcfg, dcfg, lc: LoopConfig, state: DecodeState, tree, key):
@@ -149,7 +157,7 @@ def step(tparams, tcfg, dparams, dcfg, lc: LoopConfig, state: DecodeState) -> De
       logits = dcfg.draft(dparams, tparams, state.draft_cache, state.bonus, lc.attn_fn,
                           lc.embed_fn)
   with jax.named_scope("tree"):
-    tree = make_tree(lc, logits, state.bonus)
+    tree = make_tree(lc, logits, state.bonus, None if dcfg is None else dcfg.vocab(dparams))
   with jax.named_scope("verify"):
     post, new_k, new_v, taps = verify_and_pick(tparams, tcfg, dcfg, lc, state, tree, pick_key)
   with jax.named_scope("accept_commit"):

@@ -9,7 +9,10 @@ token AT position start+j: the drafter's final norm, then the target's lm_head.
 
 `quantize_int8` makes an int8 drafter (its matrices, its own int8 copy of the lm_head and its
 layers' k/v weights stacked for the context rows, run as int8 x int8 GEMMs by `model.dense`):
-half the bytes a draft reads. Only the drafts change; the output is still the target's.
+half the bytes a draft reads. `restrict_vocab` gives the drafter its own lm_head over a subset
+of the vocabulary (e.g. the most frequent tokens, as FR-Spec and EAGLE-3 draft): its logits and
+the tree's top-k cover the subset only, and the step maps the tree's tokens back to vocabulary
+ids (`DrafterParams.draft_vocab`). Only the drafts change; the output is still the target's.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ddtree_jax import model
 from ddtree_jax.attention import attend_xla
@@ -38,13 +42,17 @@ class DrafterConfig:
     """L = bs - 1 draft positions per block."""
     return self.block_size - 1
 
-  # The decode loop talks to a drafter only through these two methods (tests plug in oracles).
+  # The decode loop talks to a drafter only through these methods (tests plug in oracles).
   def draft(self, params, target_params, cache, bonus, attn_fn=attend_xla,
             embed_fn=model.embed_lookup):
     return draft_logits(params, self, target_params, cache, bonus, attn_fn, embed_fn)
 
   def context(self, params, taps, positions):
     return context_kv(params, self, taps, positions)
+
+  def vocab(self, params):
+    """The vocabulary id of each of `draft`'s logits (int32 [Vd]), or None: all ids, in order."""
+    return params.draft_vocab
 
 
 @jax.tree_util.register_dataclass
@@ -54,11 +62,14 @@ class DrafterParams:
   hidden_norm: Array              # [H]
   layers: list[model.LayerParams]
   final_norm: Array               # [H]
-  lm_head: model.Int8Weight | None = None  # [H, V] own int8 copy of the target's (None: share it)
+  # [H, V] own copy of the target's (None: share it), int8 after quantize_int8; [H, Vd] over the
+  # draft_vocab ids when that is set
+  lm_head: Array | model.Int8Weight | None = None
   # int8 drafters: every layer's wkv stacked, [H, L, 2, K, D], for the context rows' one k/v GEMM.
   # XLA merges the per-layer context GEMMs (one shared input) into one anyway, and for int8
   # weights it first concatenated them: a 42 MB copy per step at Qwen3-8B (51 us on the H200).
   context_wkv: model.Int8Weight | None = None
+  draft_vocab: Array | None = None  # int32 [Vd]: vocabulary id of each lm_head column (restrict_vocab)
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -87,7 +98,8 @@ def context_kv(params: DrafterParams, cfg: DrafterConfig, taps, positions):
 def draft_logits(params: DrafterParams, cfg: DrafterConfig, target_params: model.Params,
                  cache: model.KVCache, bonus, attn_fn=attend_xla, embed_fn=model.embed_lookup):
   """One block of drafts. cache: drafter context K/V with lens = committed length (= block start);
-  bonus [B] int32. Returns float32 logits [B, bs-1, V] for positions start+1..start+bs-1."""
+  bonus [B] int32. Returns float32 logits [B, bs-1, V] for positions start+1..start+bs-1 (over
+  params.draft_vocab's Vd ids instead when that is set)."""
   lc, bs = cfg.layers, cfg.block_size
   b = bonus.shape[0]
   block = jnp.concatenate([bonus[:, None].astype(jnp.int32),
@@ -115,8 +127,53 @@ def quantize_int8(params: DrafterParams, target_params: model.Params) -> Drafter
   q = model.quantize_int8
   layers = [dataclasses.replace(l, wq=q(l.wq), wkv=q(l.wkv), wo=q(l.wo, 2), w_gate_up=q(l.w_gate_up),
                                 w_down=q(l.w_down)) for l in params.layers]
-  head = target_params.embed.T if target_params.lm_head is None else target_params.lm_head
+  head = params.lm_head if params.lm_head is not None else _target_head(target_params)
+  if not isinstance(head, model.Int8Weight):
+    head = q(head)
   ctx = model.Int8Weight(q=jnp.stack([l.wkv.q for l in layers]),      # [L, 2, K, D, H]
                          scale=jnp.stack([l.wkv.scale for l in layers]))
-  return dataclasses.replace(params, fc=q(params.fc), layers=layers, lm_head=q(head),
+  return dataclasses.replace(params, fc=q(params.fc), layers=layers, lm_head=head,
                              context_wkv=ctx)
+
+
+def _target_head(target_params: model.Params):
+  """The target's lm_head as [H, V] (the tied embedding transposed when it has none)."""
+  return target_params.embed.T if target_params.lm_head is None else target_params.lm_head
+
+
+def frequent_tokens(tokens, size: int, vocab_size: int) -> np.ndarray:
+  """The `size` most frequent ids of a token stream (any int array), most frequent first, ties
+  to the lower id: a draft vocabulary for `restrict_vocab` counted on the user's own text."""
+  if not 1 <= size <= vocab_size:
+    raise ValueError(f"frequent_tokens: size {size} must be in [1, vocab_size={vocab_size}]")
+  ids = np.asarray(tokens).reshape(-1)
+  if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+    raise ValueError(f"frequent_tokens: token ids must be in [0, {vocab_size})")
+  counts = np.bincount(ids, minlength=vocab_size)
+  return np.argsort(-counts, kind="stable")[:size].astype(np.int32)
+
+
+def restrict_vocab(params: DrafterParams, target_params: model.Params, vocab) -> DrafterParams:
+  """Drafts over the vocabulary ids `vocab` [Vd] only: the drafter gets its own lm_head [H, Vd]
+  (those columns of its current head: its int8 copy, or the target's), so a draft's head GEMM and
+  the tree's top-k read Vd / V of the bytes. Tokens outside `vocab` are never drafted; the target
+  still verifies every node, so the output is unchanged (lossless) and only acceptance can drop.
+  Apply before or after quantize_int8 (the int8 copy is quantized per column, so both orders
+  give the same weights)."""
+  v = target_params.embed.shape[0]
+  vocab = jnp.asarray(vocab)
+  if vocab.ndim != 1 or not jnp.issubdtype(vocab.dtype, jnp.integer) or vocab.shape[0] < 1:
+    raise ValueError(f"restrict_vocab: vocab must be a non-empty 1-D int array, got "
+                     f"{vocab.shape} {vocab.dtype}")
+  ids = np.asarray(vocab)
+  if ids.min() < 0 or ids.max() >= v or len(np.unique(ids)) != len(ids):
+    raise ValueError(f"restrict_vocab: vocab ids must be distinct and in [0, {v})")
+  if params.draft_vocab is not None:
+    raise ValueError("restrict_vocab: this drafter's vocabulary is already restricted")
+  vocab = vocab.astype(jnp.int32)
+  head = params.lm_head if params.lm_head is not None else _target_head(target_params)
+  if isinstance(head, model.Int8Weight):  # q [V, H], scale [V]
+    head = model.Int8Weight(q=head.q[vocab], scale=head.scale[vocab])
+  else:
+    head = head[:, vocab]
+  return dataclasses.replace(params, lm_head=head, draft_vocab=vocab)

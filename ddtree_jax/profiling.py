@@ -40,7 +40,8 @@ def compile_stages(tparams, tcfg, dparams, dcfg, lc: decode.LoopConfig, state,
   key = jax.random.key(0)
   draft = jax.jit(lambda dp, tp, st: dcfg.draft(dp, tp, st.draft_cache, st.bonus, lc.attn_fn,
                                                  lc.embed_fn))
-  tree = jax.jit(lambda logits, bonus: decode.make_tree(lc, logits, bonus))
+  tree = jax.jit(lambda logits, bonus, vocab: decode.make_tree(lc, logits, bonus, vocab))
+  vocab = None if lc.method == "ar" else dcfg.vocab(dparams)
   verify = jax.jit(lambda tp, st, tr: decode.verify_and_pick(tp, tcfg, dcfg, lc, st, tr, key))
   commit = jax.jit(lambda dp, st, *rest: decode.accept_and_commit(dp, dcfg, lc, st, *rest, key),
                    donate_argnums=(1,))
@@ -49,8 +50,8 @@ def compile_stages(tparams, tcfg, dparams, dcfg, lc: decode.LoopConfig, state,
   if lc.method != "ar":
     aot("draft", draft, dparams, tparams, state)
     logits = jax.eval_shape(draft, dparams, tparams, state)
-  aot("tree", tree, logits, state.bonus)
-  tr = jax.eval_shape(tree, logits, state.bonus)
+  aot("tree", tree, logits, state.bonus, vocab)
+  tr = jax.eval_shape(tree, logits, state.bonus, vocab)
   aot("verify", verify, tparams, state, tr)
   rest = (tr,) + tuple(jax.eval_shape(verify, tparams, state, tr))
   aot("accept_commit", commit, dparams, state, *rest)
@@ -70,8 +71,9 @@ def stage_seconds(tparams, tcfg, dparams, dcfg, lc: decode.LoopConfig, state, re
   if lc.method != "ar":
     out["draft"] = median_seconds(p["draft"], dparams, tparams, state, repeats=repeats)
     logits = p["draft"](dparams, tparams, state)
-  out["tree"] = median_seconds(p["tree"], logits, state.bonus, repeats=repeats)
-  tr = p["tree"](logits, state.bonus)
+  vocab = None if lc.method == "ar" else dcfg.vocab(dparams)
+  out["tree"] = median_seconds(p["tree"], logits, state.bonus, vocab, repeats=repeats)
+  tr = p["tree"](logits, state.bonus, vocab)
   out["verify"] = median_seconds(p["verify"], tparams, state, tr, repeats=repeats)
   rest = (tr,) + tuple(p["verify"](tparams, state, tr))
   times = []

@@ -143,7 +143,8 @@ def _drafter_specs(params: DrafterParams, mesh, rules) -> DrafterParams:
     ctx = _w(ctx, None, None, None, kv, None)
   return DrafterParams(fc=_w(params.fc, None, fc), hidden_norm=P(),
                        layers=[_layer_specs(l, mesh, rules) for l in params.layers],
-                       final_norm=P(), lm_head=head, context_wkv=ctx)
+                       final_norm=P(), lm_head=head, context_wkv=ctx,
+                       draft_vocab=None if params.draft_vocab is None else P())
 
 
 def _cache_specs(cache: KVCache, mesh, rules) -> KVCache:

@@ -119,7 +119,8 @@ def drafter_block_logits(dparams: drafter_lib.DrafterParams, dcfg: drafter_lib.D
   is [x_a, MASK x (bs-1)] at positions a..a+bs-1 and sees the context rows p < a).
   """
   if dparams.lm_head is not None:
-    raise ValueError("an int8 drafter is for inference: train the float drafter, then quantize it")
+    raise ValueError("a drafter with its own lm_head (int8, or a restricted draft vocabulary) is "
+                     "for inference: train the float drafter, then derive it")
   lc, bs = dcfg.layers, dcfg.block_size
   b, s = tokens.shape
   a = anchors.shape[1]

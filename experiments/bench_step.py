@@ -23,7 +23,7 @@ import numpy as np
 
 from ddtree_jax import decode, model, profiling, sharding
 from ddtree_jax.config import ModelConfig
-from ddtree_jax.drafter import DrafterConfig, DrafterParams, quantize_int8
+from ddtree_jax.drafter import DrafterConfig, DrafterParams, quantize_int8, restrict_vocab
 
 flags.DEFINE_bool("small", False, "tiny shapes (CPU smoke run)")
 flags.DEFINE_string("sections", "copy,ar,spec,host",
@@ -40,7 +40,9 @@ flags.DEFINE_integer("steps", 32, "decode steps timed per row")
 flags.DEFINE_integer("repeats", 5, "timed repeats (median)")
 flags.DEFINE_string("json_out", "", "append each row here as a JSON line as soon as measured")
 flags.DEFINE_string("drafters", "bf16", "comma list: bf16, int8 (int8 W8A8 drafter with its "
-                    "own int8 lm_head, drafter.quantize_int8); spec rows run for each")
+                    "own int8 lm_head, drafter.quantize_int8), each optionally with ':vN' (drafts "
+                    "over ids 0..N-1 only, drafter.restrict_vocab), e.g. int8:v32768; spec rows "
+                    "run for each")
 flags.DEFINE_bool("stages", True, "also time the stages as separate programs")
 flags.DEFINE_string("stage_runs", "", "runs of the sweep that get stage times ('' = all)")
 sharding.define_mesh_flags()
@@ -181,9 +183,15 @@ def main(_):
   tp = sharding.shard_params(model.init_params(tcfg, key), MESH)
   dp, dcfg = make_drafter(tcfg, jax.random.key(1), small)
   dps = {"bf16": sharding.shard_params(dp, MESH)}
-  if "int8" in FLAGS.drafters.split(","):
+  names = FLAGS.drafters.split(",")
+  if any(n.split(":")[0] == "int8" for n in names):
     dps["int8"] = sharding.shard_params(jax.jit(quantize_int8)(dps["bf16"], tp), MESH)
-  dps = {name: dps[name] for name in FLAGS.drafters.split(",")}
+  for name in names:
+    if ":v" in name:
+      base, size = name.split(":v")
+      vocab = jnp.arange(int(size), dtype=jnp.int32)
+      dps[name] = sharding.shard_params(restrict_vocab(dps[base], tp, vocab), MESH)
+  dps = {name: dps[name] for name in names}
   dp = next(iter(dps.values()))
   batches = [int(b) for b in FLAGS.batches.split(",")]
   attns = FLAGS.attention.split(",")
@@ -298,12 +306,12 @@ def print_tables():
       print(f"{r['attention']:<7}{r['batch']:>6}{r['prefix']:>8}{r['step_ms']:>10.3f}"
             f"{r['floor_ms']:>10.3f}{r['ratio_to_floor']:>8.2f}")
   print("\n== Speculative step (while_loop) and stages (separate programs), ms")
-  print(f"{'attn':<7}{'method':<8}{'B':>5}{'drafter':>8}{'batch':>6}{'prefix':>7}{'step':>9}"
+  print(f"{'attn':<7}{'method':<8}{'B':>5}{'drafter':>13}{'batch':>6}{'prefix':>7}{'step':>9}"
         f"{'xAR':>7}{'draft':>8}"
         f"{'tree':>8}{'verify':>8}{'acc+com':>8}")
   for r in ROWS:
     if r["section"] == "spec":
-      print(f"{r['attention']:<7}{r['method']:<8}{r['budget']:>5}{r['drafter']:>8}{r['batch']:>6}"
+      print(f"{r['attention']:<7}{r['method']:<8}{r['budget']:>5}{r['drafter']:>13}{r['batch']:>6}"
             f"{r['prefix']:>7}"
             f"{r['step_ms']:>9.3f}"
             f"{r['vs_ar_step']:>7.2f}" + "".join(

@@ -22,6 +22,7 @@ import numpy as np  # noqa: E402
 
 import ddtree_jax as dj  # noqa: E402
 from ddtree_jax import data  # noqa: E402
+from ddtree_jax import drafter as drafter_lib  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _DIR = flags.DEFINE_string("model_dir", os.path.join(REPO, "ddtree_jax", "default_model"),
@@ -37,6 +38,8 @@ _ATTN = flags.DEFINE_string("attention", "", "xla | pallas | '' (engine default)
 _SEED = flags.DEFINE_integer("seed", 0, "prompt sampling seed")
 _OUT = flags.DEFINE_string("out", "out/eval_default.json", "JSON results")
 _INT8 = flags.DEFINE_bool("drafter_int8", False, "int8 (W8A8) drafter (drafter.quantize_int8)")
+_VOCAB = flags.DEFINE_integer("draft_vocab", 0, "draft over the N most frequent tokens of the "
+                              "train split only (drafter.restrict_vocab); 0 = the whole vocab")
 _SHOW = flags.DEFINE_integer("show", 1, "print this many prompts with their continuation")
 
 
@@ -82,8 +85,15 @@ def main(_):
   logging.set_verbosity(logging.WARNING)
   t0 = time.perf_counter()
   target = dj.load_target(os.path.join(_DIR.value, "target"), dtype=_DTYPE.value)
-  drafter = dj.load_drafter(os.path.join(_DIR.value, "drafter"), target, int8=_INT8.value)
   tok = target.tokenizer
+  vocab = None
+  if _VOCAB.value:
+    train = data.encode_documents(tok, [t for _, t in data.read_split("train")])
+    vocab = drafter_lib.frequent_tokens(train, _VOCAB.value, target.config.vocab_size)
+    print(f"draft vocab: the {len(vocab)} most frequent of {target.config.vocab_size} ids cover "
+          f"{np.isin(train, vocab).mean():.1%} of the {len(train)} train-split tokens")
+  drafter = dj.load_drafter(os.path.join(_DIR.value, "drafter"), target, int8=_INT8.value,
+                            draft_vocab=vocab)
   prompts = heldout_prompts(tok, _N.value, _PMIN.value, _PMAX.value, _SEED.value)
   runs = [("ar", None), ("chain", None)] + [("ddtree", int(b)) for b in _BUDGETS.value.split(",")
                                             if b.strip()]
@@ -113,6 +123,7 @@ def main(_):
   summary = {"model_dir": _DIR.value, "dtype": _DTYPE.value, "num_prompts": len(prompts),
              "prompt_tokens": [len(p) for p in prompts], "max_new_tokens": _NEW.value,
              "batch_size": _BATCH.value, "attention": _ATTN.value or "default",
+             "drafter_int8": _INT8.value, "draft_vocab": _VOCAB.value or None,
              "chain_tau": chain, "ddtree32_over_chain_tau": (b32 / chain) if b32 and chain else None,
              "seconds": time.perf_counter() - t0, "results": results}
   if os.path.dirname(_OUT.value):

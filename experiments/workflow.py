@@ -21,6 +21,7 @@ if REPO not in sys.path:
   sys.path.insert(0, REPO)
 
 import ml_collections  # noqa: E402
+import numpy as np  # noqa: E402
 
 METHODS = ("ar", "chain", "ddtree")
 MIN_BUDGET, MAX_BUDGET = 1, 1024
@@ -289,7 +290,6 @@ def random_like(abstract, seed: int, std: float = 0.02):
   import functools  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  import numpy as np  # pylint: disable=import-outside-toplevel
   leaves, treedef = jax.tree.flatten(abstract)
   if sum(int(np.prod(l.shape)) for l in leaves) <= SMALL_PARAMS:
     rng = np.random.default_rng(seed)
@@ -368,16 +368,23 @@ def load_models(cfg, mesh=None):
     target = random_target(cfg.shape, cfg.dtype, cfg.seed, mesh)
   else:
     target = dj.load_target(cfg.target, dtype=cfg.dtype, mesh=mesh)
+  vocab = cfg.get("draft_vocab", "")
+  if vocab and not os.path.isfile(vocab):
+    raise ConfigError(f"draft_vocab {vocab!r}: no such .npy file of vocabulary ids")
   drafter = None
   if cfg.drafter:
-    drafter = dj.load_drafter(cfg.drafter, target, int8=cfg.drafter_int8)
+    drafter = dj.load_drafter(cfg.drafter, target, int8=cfg.drafter_int8,
+                              draft_vocab=vocab or None)
   elif cfg.random_drafter:
     drafter = random_drafter(target, cfg.drafter_shape, cfg.seed + 1, cfg.drafter_shape.init_std)
+    from ddtree_jax import drafter as drafter_lib, sharding  # pylint: disable=import-outside-toplevel
+    params = drafter.params
     if cfg.drafter_int8:
-      from ddtree_jax import drafter as drafter_lib, sharding  # pylint: disable=import-outside-toplevel
-      params = drafter_lib.quantize_int8(drafter.params, target.params)
-      drafter = dataclasses.replace(
-          drafter, params=sharding.shard_params(params, target.mesh, target.rules))
+      params = drafter_lib.quantize_int8(params, target.params)
+    if vocab:
+      params = drafter_lib.restrict_vocab(params, target.params, np.load(vocab))
+    drafter = dataclasses.replace(
+        drafter, params=sharding.shard_params(params, target.mesh, target.rules))
   return target, drafter
 
 
@@ -446,7 +453,8 @@ def one_step(target, drafter, prompt: Sequence[int], budget: int | None, method:
                          tcfg=target.config, dcfg=dcfg, lc=lc, capacity=capacity)
   logits = jax.jit(lambda dp, tp, st: dcfg.draft(dp, tp, st.draft_cache, st.bonus, lc.attn_fn))(
       drafter.params, target.params, state)
-  tree = jax.jit(lambda lg, b: decode.make_tree(lc, lg, b))(logits, state.bonus)
+  vocab = dcfg.vocab(drafter.params)
+  tree = jax.jit(lambda lg, b, v: decode.make_tree(lc, lg, b, v))(logits, state.bonus, vocab)
   post, *_ = jax.jit(lambda tp, st, tr: decode.verify_and_pick(
       tp, target.config, dcfg, lc, st, tr, jax.random.key(0)))(target.params, state, tree)
   path, tau, emitted = verify.accept(tree.tokens, tree.parents, tree.depths, tree.visibility,

@@ -86,6 +86,9 @@ class OracleConfig(DrafterConfig):
   def context(self, params, taps, positions):
     return super().context(params[0], taps, positions)
 
+  def vocab(self, params):
+    return None  # draft's logits cover the whole vocabulary
+
 
 def oracle_drafter(drafter, ar_prompts, ar_tokens, corruption=0.3, seed=0, length=512):
   """A Drafter-like (params, config) pair whose drafts follow the AR reference sequences."""
