@@ -437,7 +437,8 @@ def generate_kwargs(cfg, method: str, budget: int | None, drafter) -> dict:
 def one_step(target, drafter, prompt: Sequence[int], budget: int | None, method: str = "ddtree",
              attention: str = "xla", topk_cap: int | None = None) -> dict:
   """Prefill `prompt`, then draft -> tree -> verify -> accept once (greedy), via the engine's own
-  stage functions. Returns numpy arrays: draft_logits [L, V], the tree (unbatched), post (the
+  stage functions. Returns numpy arrays: draft_logits [L, V] ([L, Vd] for a drafter with a
+  draft vocabulary), the tree (unbatched), post (the
   target's argmax per node), path (accepted node ids, root first), tau, emitted tokens, bonus."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel

@@ -126,6 +126,25 @@ def test_random_models_from_shape():
   assert d8.params.fc.q.dtype == jnp.int8 and d8.params.lm_head.shape == (32, 64)
 
 
+def test_draft_vocab_config_key(tmp_path):
+  cfg = workflow.load_config("configs/qwen3_8b.py", {
+      "random_target": True, "random_drafter": True, "drafter": "", "dtype": "float32",
+      "shape.vocab_size": 64, "shape.hidden_size": 32, "shape.intermediate_size": 48,
+      "shape.num_layers": 2, "shape.num_heads": 2, "shape.num_kv_heads": 1, "shape.head_dim": 16,
+      "drafter_shape.num_layers": 1, "drafter_shape.block_size": 4,
+      "drafter_shape.target_layer_ids": "", "drafter_shape.mask_token_id": -1,
+      "draft_vocab": str(tmp_path / "missing.npy")})
+  with pytest.raises(workflow.ConfigError, match="draft_vocab .*missing.npy"):
+    workflow.load_models(cfg)
+  ids = np.asarray([5, 3, 40, 0], np.int32)
+  np.save(tmp_path / "ids.npy", ids)
+  cfg.draft_vocab = str(tmp_path / "ids.npy")
+  cfg.drafter_int8 = True
+  _, d = workflow.load_models(cfg)
+  np.testing.assert_array_equal(d.params.draft_vocab, ids)
+  assert d.params.lm_head.shape == (32, 4) and d.params.lm_head.q.dtype == jnp.int8
+
+
 # ------------------------------------------------------------------------------------------------
 # Benchmark matrix
 
