@@ -279,7 +279,7 @@ def load_drafter(path: str, target: Target, dtype=None, int8: bool = False,
   int8=True: an int8 (W8A8) drafter with its own int8 lm_head (`drafter.quantize_int8`).
   draft_vocab: vocabulary ids [Vd] (or a .npy file of them) the drafter drafts over, with its own
   lm_head over those ids (`drafter.restrict_vocab`); None: the whole vocabulary."""
-  from ddtree_jax.drafter import DrafterParams, quantize_int8, restrict_vocab  # pylint: disable=import-outside-toplevel
+  from ddtree_jax.drafter import DrafterParams  # pylint: disable=import-outside-toplevel
   cfg = drafter_config_from_hf(read_config(path), target.config)
   dtype = target.dtype if dtype is None else parse_dtype(dtype)
   r = TensorReader(read_checkpoint_tensors(path), path)
@@ -290,16 +290,25 @@ def load_drafter(path: str, target: Target, dtype=None, int8: bool = False,
       layers=[r.layer(f"layers.{i}.", lc) for i in range(lc.num_layers)],
       final_norm=r.get("norm.weight", (h,)),
   )
-  params = _place_sharded(host, dtype, target.mesh, target.rules)
+  params = derive_drafter_params(_place_sharded(host, dtype, target.mesh, target.rules), target,
+                                 int8=int8, draft_vocab=draft_vocab)
+  return Drafter(params=params, config=cfg, path=path)
+
+
+def derive_drafter_params(params, target: Target, int8: bool = False, draft_vocab=None):
+  """Float drafter params -> what load_drafter returns: int8 (`drafter.quantize_int8`) and/or
+  drafting over `draft_vocab` (ids or a .npy file of them; `drafter.restrict_vocab`), placed on
+  the target's mesh."""
+  from ddtree_jax.drafter import quantize_int8, restrict_vocab  # pylint: disable=import-outside-toplevel
   if int8:
-    params = sharding.shard_params(jax.jit(quantize_int8)(params, target.params), target.mesh,
-                                   target.rules)
+    params = jax.jit(quantize_int8)(params, target.params)
   if draft_vocab is not None:
     if isinstance(draft_vocab, str):
       draft_vocab = np.load(draft_vocab, allow_pickle=False)
-    params = sharding.shard_params(restrict_vocab(params, target.params, draft_vocab),
-                                   target.mesh, target.rules)
-  return Drafter(params=params, config=cfg, path=path)
+    params = restrict_vocab(params, target.params, draft_vocab)
+  if int8 or draft_vocab is not None:
+    params = sharding.shard_params(params, target.mesh, target.rules)
+  return params
 
 
 # --------------------------------------------------------------------------------------------
@@ -387,8 +396,7 @@ def _np(x, dtype) -> np.ndarray:
 
 def _layer_tensors(prefix: str, layer: LayerParams, cfg: ModelConfig, dtype) -> dict[str, np.ndarray]:
   """Our [in, out] layer weights -> PyTorch [out, in] tensors (inverse of TensorReader.layer)."""
-  h, n, k, d, i = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                   cfg.intermediate_size)
+  h, n, k, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   a = prefix + "self_attn."
   wkv = _np(layer.wkv, dtype)
   gu = _np(layer.w_gate_up, dtype)

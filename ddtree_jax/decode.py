@@ -129,8 +129,8 @@ def make_tree(lc: LoopConfig, draft_logits, bonus, draft_vocab=None):
     tree = tree_lib.build_tree(draft_logits, lc.budget, lc.topk_cap, root_token=bonus)
   if draft_vocab is None:
     return tree
-  drafted = jnp.arange(tree.tokens.shape[-1]) > 0  # the root is the bonus, already an id
-  return dataclasses.replace(tree, tokens=jnp.where(drafted, draft_vocab[tree.tokens], tree.tokens))
+  root, drafted = tree.tokens[..., :1], tree.tokens[..., 1:]  # the root is the bonus, an id
+  return dataclasses.replace(tree, tokens=jnp.concatenate([root, draft_vocab[drafted]], axis=-1))
 
 
 def verify_and_pick(tparams, tcfg, dcfg, lc: LoopConfig, state: DecodeState, tree, key):

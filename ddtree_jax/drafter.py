@@ -119,10 +119,10 @@ def draft_logits(params: DrafterParams, cfg: DrafterConfig, target_params: model
 
 
 def quantize_int8(params: DrafterParams, target_params: model.Params) -> DrafterParams:
-  """Int8 drafter: fc and every layer's matrices, per output channel, plus an int8 copy of the
-  target's lm_head ([H, V], from the tied embedding when there is no lm_head) that only the
-  drafter reads, and its layers' k/v weights stacked for the context rows (`context_wkv`).
-  Norms stay in their dtype; `model.dense` quantizes each GEMM's input rows on the fly (W8A8),
+  """Int8 drafter: fc and every layer's matrices, per output channel, plus an int8 lm_head that
+  only the drafter reads (its own head if it has one, e.g. [H, Vd] after restrict_vocab, else a
+  copy of the target's [H, V], from the tied embedding when there is no lm_head), and its
+  layers' k/v weights stacked for the context rows (`context_wkv`). Norms stay in their dtype; `model.dense` quantizes each GEMM's input rows on the fly (W8A8),
   everything between the GEMMs stays in the params' dtype."""
   q = model.quantize_int8
   layers = [dataclasses.replace(l, wq=q(l.wq), wkv=q(l.wkv), wo=q(l.wo, 2), w_gate_up=q(l.w_gate_up),
@@ -157,20 +157,25 @@ def restrict_vocab(params: DrafterParams, target_params: model.Params, vocab) ->
   """Drafts over the vocabulary ids `vocab` [Vd] only: the drafter gets its own lm_head [H, Vd]
   (those columns of its current head: its int8 copy, or the target's), so a draft's head GEMM and
   the tree's top-k read Vd / V of the bytes. Tokens outside `vocab` are never drafted; the target
-  still verifies every node, so the output is unchanged (lossless) and only acceptance can drop.
-  Apply before or after quantize_int8 (the int8 copy is quantized per column, so both orders
-  give the same weights)."""
+  still verifies every node, so the output is unchanged (lossless) and only acceptance changes
+  (usually down; the freed budget goes to the kept ids). Apply before or after quantize_int8
+  (the int8 copy is quantized per column, so both orders give the same weights). On a tp mesh a
+  Vd that the vocab axis does not divide leaves the drafter's head replicated."""
   v = target_params.embed.shape[0]
-  vocab = jnp.asarray(vocab)
-  if vocab.ndim != 1 or not jnp.issubdtype(vocab.dtype, jnp.integer) or vocab.shape[0] < 1:
-    raise ValueError(f"restrict_vocab: vocab must be a non-empty 1-D int array, got "
-                     f"{vocab.shape} {vocab.dtype}")
   ids = np.asarray(vocab)
-  if ids.min() < 0 or ids.max() >= v or len(np.unique(ids)) != len(ids):
-    raise ValueError(f"restrict_vocab: vocab ids must be distinct and in [0, {v})")
+  if ids.ndim != 1:
+    raise ValueError(f"restrict_vocab: vocab must be 1-D, got shape {ids.shape}")
+  if not np.issubdtype(ids.dtype, np.integer):
+    raise ValueError(f"restrict_vocab: vocab must hold int ids, got {ids.dtype}")
+  if ids.size == 0:
+    raise ValueError("restrict_vocab: vocab is empty")
+  if ids.min() < 0 or ids.max() >= v:
+    raise ValueError(f"restrict_vocab: vocab ids must be in [0, {v}), got {ids.min()}..{ids.max()}")
+  if len(np.unique(ids)) != len(ids):
+    raise ValueError("restrict_vocab: vocab ids must be distinct")
   if params.draft_vocab is not None:
     raise ValueError("restrict_vocab: this drafter's vocabulary is already restricted")
-  vocab = vocab.astype(jnp.int32)
+  vocab = jnp.asarray(ids, jnp.int32)
   head = params.lm_head if params.lm_head is not None else _target_head(target_params)
   if isinstance(head, model.Int8Weight):  # q [V, H], scale [V]
     head = model.Int8Weight(q=head.q[vocab], scale=head.scale[vocab])

@@ -236,7 +236,9 @@ def forward_logits(target: Target, token_ids) -> jax.Array:
 
 
 def draft_logits(target: Target, drafter: Drafter, prompt: Sequence[int]) -> jax.Array:
-  """The drafter's logits [bs-1, V] for the first block after `prompt` (greedy bonus)."""
+  """The drafter's logits [bs-1, V] for the first block after `prompt` (greedy bonus); [bs-1, Vd]
+  over `drafter.params.draft_vocab` for a drafter with a draft vocabulary (build_tree's tokens
+  are then column indices: map them with draft_vocab[tokens[..., 1:]])."""
   if len(prompt) == 0:
     raise ValueError("prompt is empty")
   state = decode.prefill(

@@ -38,10 +38,10 @@ def compile_stages(tparams, tcfg, dparams, dcfg, lc: decode.LoopConfig, state,
     seconds[name] = time.perf_counter() - t0
 
   key = jax.random.key(0)
+  vocab = _draft_vocab(dparams, dcfg, lc)
   draft = jax.jit(lambda dp, tp, st: dcfg.draft(dp, tp, st.draft_cache, st.bonus, lc.attn_fn,
                                                  lc.embed_fn))
   tree = jax.jit(lambda logits, bonus, vocab: decode.make_tree(lc, logits, bonus, vocab))
-  vocab = None if lc.method == "ar" else dcfg.vocab(dparams)
   verify = jax.jit(lambda tp, st, tr: decode.verify_and_pick(tp, tcfg, dcfg, lc, st, tr, key))
   commit = jax.jit(lambda dp, st, *rest: decode.accept_and_commit(dp, dcfg, lc, st, *rest, key),
                    donate_argnums=(1,))
@@ -58,6 +58,10 @@ def compile_stages(tparams, tcfg, dparams, dcfg, lc: decode.LoopConfig, state,
   return out
 
 
+def _draft_vocab(dparams, dcfg, lc):
+  return None if lc.method == "ar" else dcfg.vocab(dparams)
+
+
 def stage_seconds(tparams, tcfg, dparams, dcfg, lc: decode.LoopConfig, state, repeats: int = 10,
                   programs: dict | None = None) -> dict:
   """Median seconds of draft, tree, verify, accept+commit, each compiled on its own.
@@ -71,7 +75,7 @@ def stage_seconds(tparams, tcfg, dparams, dcfg, lc: decode.LoopConfig, state, re
   if lc.method != "ar":
     out["draft"] = median_seconds(p["draft"], dparams, tparams, state, repeats=repeats)
     logits = p["draft"](dparams, tparams, state)
-  vocab = None if lc.method == "ar" else dcfg.vocab(dparams)
+  vocab = _draft_vocab(dparams, dcfg, lc)
   out["tree"] = median_seconds(p["tree"], logits, state.bonus, vocab, repeats=repeats)
   tr = p["tree"](logits, state.bonus, vocab)
   out["verify"] = median_seconds(p["verify"], tparams, state, tr, repeats=repeats)

@@ -9,7 +9,9 @@ decode-state pytree into a matching pytree of NamedShardings. Layouts (model.py,
   embed [V, H], lm_head [H, V] split V (argmax/top-k still return global ids)
   norms, q_norm, k_norm replicated; drafter fc [k*H, H] split on its output columns
   an int8 drafter's Int8Weight: q (K-major) and scale split like the float weight's dims
-  (its stacked context_wkv [H, L, 2, K, D] split K)
+  (its stacked context_wkv [H, L, 2, K, D] split K); a drafter's own lm_head [H, V or Vd] split
+  like the target's (replicated when a draft vocabulary's Vd is not divisible), draft_vocab
+  replicated
   KV cache [L, B, K, S, D]: B over dp, K over tp; per-sequence decode state over dp
 
 Everything else is GSPMD: params and caches carry NamedShardings and jit propagates them. The
@@ -30,7 +32,7 @@ mesh then spans all hosts' devices and the same code runs on each process.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -136,7 +138,11 @@ def _drafter_specs(params: DrafterParams, mesh, rules) -> DrafterParams:
   fc = _axis(mesh, rules, "fc", params.fc.shape[1], "drafter fc output (hidden_size)")
   head = params.lm_head
   if head is not None:
-    head = _w(head, None, _axis(mesh, rules, "vocab", head.shape[1], "drafter lm_head vocab"))
+    vd, name = head.shape[1], rules.vocab
+    if params.draft_vocab is not None and name in mesh.shape and vd % mesh.shape[name]:
+      head = _w(head, None, None)  # a draft vocabulary the axis does not divide: replicated
+    else:
+      head = _w(head, None, _axis(mesh, rules, "vocab", vd, "drafter lm_head vocab"))
   ctx = params.context_wkv
   if ctx is not None:
     kv = _axis(mesh, rules, "kv_heads", ctx.shape[3], "drafter kv heads")

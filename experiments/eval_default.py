@@ -38,8 +38,8 @@ _ATTN = flags.DEFINE_string("attention", "", "xla | pallas | '' (engine default)
 _SEED = flags.DEFINE_integer("seed", 0, "prompt sampling seed")
 _OUT = flags.DEFINE_string("out", "out/eval_default.json", "JSON results")
 _INT8 = flags.DEFINE_bool("drafter_int8", False, "int8 (W8A8) drafter (drafter.quantize_int8)")
-_VOCAB = flags.DEFINE_integer("draft_vocab", 0, "draft over the N most frequent tokens of the "
-                              "train split only (drafter.restrict_vocab); 0 = the whole vocab")
+_VOCAB = flags.DEFINE_integer("draft_vocab_frequent", 0, "draft over the N most frequent tokens "
+                              "of the train split only (drafter.restrict_vocab); 0 = all")
 _SHOW = flags.DEFINE_integer("show", 1, "print this many prompts with their continuation")
 
 

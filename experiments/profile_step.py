@@ -37,7 +37,7 @@ import tempfile
 
 from absl import app, flags
 import jax
-import jax.numpy as jnp
+import numpy as np
 
 import bench_step
 from ddtree_jax import drafter as drafter_lib
@@ -47,8 +47,8 @@ flags.DEFINE_string("runs", "ar,32,64", "ar, chain or ddtree budgets")
 flags.DEFINE_integer("batch", 1, "batch size")
 flags.DEFINE_integer("prefix", 1024, "committed prefix length")
 flags.DEFINE_bool("drafter_int8", False, "an int8 (W8A8) drafter (drafter.quantize_int8)")
-flags.DEFINE_integer("draft_vocab", 0, "draft over ids 0..N-1 only (drafter.restrict_vocab); "
-                     "0 = the whole vocabulary")
+flags.DEFINE_integer("draft_vocab_first", 0, "draft over ids 0..N-1 only "
+                     "(drafter.restrict_vocab); 0 = the whole vocabulary")
 flags.DEFINE_integer("top", 20, "kernels listed per run")
 flags.DEFINE_string("trace_dir", "", "keep the traces (and each run's optimized HLO) here "
                     "(default: a temporary directory)")
@@ -215,8 +215,8 @@ def main(_):
   dp, dcfg = bench_step.make_drafter(tcfg, jax.random.key(1), small)
   if FLAGS.drafter_int8:
     dp = jax.jit(drafter_lib.quantize_int8)(dp, tp)
-  if FLAGS.draft_vocab:
-    dp = drafter_lib.restrict_vocab(dp, tp, jnp.arange(FLAGS.draft_vocab, dtype=jnp.int32))
+  if FLAGS.draft_vocab_first:
+    dp = drafter_lib.restrict_vocab(dp, tp, np.arange(FLAGS.draft_vocab_first))
   dp = sharding.shard_params(dp, bench_step.MESH)
   attention = FLAGS.attention.split(",")[0]
   steps, b, prefix = FLAGS.steps, FLAGS.batch, FLAGS.prefix

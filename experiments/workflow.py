@@ -241,6 +241,10 @@ def validate(cfg, *, needs_drafter_for_spec: bool = True, baselines: bool | None
   if cfg.drafter and not os.path.exists(os.path.join(cfg.drafter, "config.json")):
     raise ConfigError(f"drafter {cfg.drafter!r} has no config.json (a z-lab DFlash folder)")
   has_drafter = bool(cfg.drafter) or cfg.random_drafter
+  if cfg.draft_vocab and not has_drafter:
+    raise ConfigError(f"draft_vocab={cfg.draft_vocab!r} is set but there is no drafter")
+  if cfg.draft_vocab and not os.path.isfile(cfg.draft_vocab):
+    raise ConfigError(f"draft_vocab {cfg.draft_vocab!r}: no such .npy file of vocabulary ids")
   spec = [m for m in methods if m != "ar"]
   if spec and not has_drafter and needs_drafter_for_spec:
     raise ConfigError(f"methods {spec} need a drafter: set --config.drafter=DIR or "
@@ -368,23 +372,15 @@ def load_models(cfg, mesh=None):
     target = random_target(cfg.shape, cfg.dtype, cfg.seed, mesh)
   else:
     target = dj.load_target(cfg.target, dtype=cfg.dtype, mesh=mesh)
-  vocab = cfg.get("draft_vocab", "")
-  if vocab and not os.path.isfile(vocab):
-    raise ConfigError(f"draft_vocab {vocab!r}: no such .npy file of vocabulary ids")
+  vocab = cfg.draft_vocab or None
   drafter = None
   if cfg.drafter:
-    drafter = dj.load_drafter(cfg.drafter, target, int8=cfg.drafter_int8,
-                              draft_vocab=vocab or None)
+    drafter = dj.load_drafter(cfg.drafter, target, int8=cfg.drafter_int8, draft_vocab=vocab)
   elif cfg.random_drafter:
+    from ddtree_jax import checkpoint  # pylint: disable=import-outside-toplevel
     drafter = random_drafter(target, cfg.drafter_shape, cfg.seed + 1, cfg.drafter_shape.init_std)
-    from ddtree_jax import drafter as drafter_lib, sharding  # pylint: disable=import-outside-toplevel
-    params = drafter.params
-    if cfg.drafter_int8:
-      params = drafter_lib.quantize_int8(params, target.params)
-    if vocab:
-      params = drafter_lib.restrict_vocab(params, target.params, np.load(vocab))
-    drafter = dataclasses.replace(
-        drafter, params=sharding.shard_params(params, target.mesh, target.rules))
+    drafter = dataclasses.replace(drafter, params=checkpoint.derive_drafter_params(
+        drafter.params, target, int8=cfg.drafter_int8, draft_vocab=vocab))
   return target, drafter
 
 
@@ -409,7 +405,6 @@ def decoder(target):
 def make_prompts(cfg, target, batch: int) -> list[list[int]]:
   """`batch` prompts: cfg.prompts cycled (encoded), or random tokens when cfg.prompt_len > 0 or
   the target has no tokenizer (random targets; 64 tokens unless prompt_len says otherwise)."""
-  import numpy as np  # pylint: disable=import-outside-toplevel
   if cfg.prompt_len > 0 or target.tokenizer is None:
     n = cfg.prompt_len or 64
     rng = np.random.default_rng(cfg.seed)
@@ -438,11 +433,10 @@ def one_step(target, drafter, prompt: Sequence[int], budget: int | None, method:
              attention: str = "xla", topk_cap: int | None = None) -> dict:
   """Prefill `prompt`, then draft -> tree -> verify -> accept once (greedy), via the engine's own
   stage functions. Returns numpy arrays: draft_logits [L, V] ([L, Vd] for a drafter with a
-  draft vocabulary), the tree (unbatched), post (the
-  target's argmax per node), path (accepted node ids, root first), tau, emitted tokens, bonus."""
+  draft vocabulary), the tree (unbatched), post (the target's argmax per node), path (accepted
+  node ids, root first), tau, emitted tokens, bonus."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  import numpy as np  # pylint: disable=import-outside-toplevel
   from ddtree_jax import decode, verify  # pylint: disable=import-outside-toplevel
   dcfg = drafter.config
   lc = decode.LoopConfig(method=method, max_new_tokens=dcfg.num_drafts + 2,

@@ -44,17 +44,18 @@ def subset_oracle(target, path, ar, vocab, corruption=0.3):
   return dataclasses.replace(d, params=(inner, d.params[1]), config=cfg)
 
 
-def test_restricted_logits_are_the_full_drafters_at_those_ids(pair):
+def test_restricted_logits_are_the_full_drafters_at_those_ids(pair, tmp_path):
   target, path, _ = pair
   vocab = np.random.default_rng(0).permutation(target.config.vocab_size)[:40]
-  for int8 in (False, True):
+  np.save(tmp_path / "ids.npy", vocab)
+  for int8, ids in ((False, vocab), (True, str(tmp_path / "ids.npy"))):   # an array, a .npy file
     full = dj.load_drafter(path, target, int8=int8)
-    sub = dj.load_drafter(path, target, int8=int8, draft_vocab=vocab)
+    sub = dj.load_drafter(path, target, int8=int8, draft_vocab=ids)
     np.testing.assert_array_equal(sub.params.draft_vocab, vocab)
     np.testing.assert_allclose(dj.draft_logits(target, sub, PROMPTS[0]),
                                dj.draft_logits(target, full, PROMPTS[0])[:, vocab],
                                rtol=1e-6, atol=1e-6)
-  # quantize then restrict == restrict then quantize (per-column int8), from a .npy file too
+  # quantize then restrict == restrict then quantize (per-column int8)
   f = dj.load_drafter(path, target)
   a = drafter_lib.restrict_vocab(drafter_lib.quantize_int8(f.params, target.params),
                                  target.params, vocab)
@@ -100,18 +101,30 @@ def test_subset_missing_some_target_tokens_stays_lossless(pair):
   dropped = set(rng.choice(used, size=len(used) // 3, replace=False).tolist())
   vocab = rng.permutation([i for i in range(v) if i not in dropped][: v // 2 + len(used)])
   sub = subset_oracle(target, path, ar, vocab, corruption=0.1)
+  full = oracle_drafter(dj.load_drafter(path, target), PROMPTS, ar, corruption=0.1)
   real = dj.load_drafter(path, target, int8=True, draft_vocab=vocab[:64])
-  for drafter in (sub, real):
-    taus = []
-    for method, budget in (("chain", None), ("ddtree", 3), ("ddtree", 16)):
-      res = dj.generate(target, PROMPTS, method=method, drafter=drafter, budget=budget,
-                        max_new_tokens=M, stop_token_ids=())
-      assert res.tokens == ar, (method, budget)
-      taus.append(res.stats["tau"])
-    if drafter is sub:  # kept ids are drafted (deep), dropped ones end the accepted path
-      assert 1.5 < max(taus), taus
-      steps = [a for seq in res.stats["acceptance_lengths"] for a in seq]
-      assert min(steps) < max(steps)
+  for method, budget in (("chain", None), ("ddtree", 3), ("ddtree", 16)):
+    kw = dict(method=method, budget=budget, max_new_tokens=M, stop_token_ids=())
+    got = {name: dj.generate(target, PROMPTS, drafter=d, **kw)
+           for name, d in (("sub", sub), ("full", full), ("real", real))}
+    assert all(r.tokens == ar for r in got.values()), (method, budget)
+    # the kept ids are still drafted deep; the dropped ones cut paths the full oracle accepts
+    assert 1.5 < got["sub"].stats["tau"] < got["full"].stats["tau"], (method, budget)
+
+
+def test_drafted_nodes_are_vocab_ids(pair):
+  """Every drafted node of a restricted drafter's step is an id of its draft vocabulary (the
+  tree is built over columns 0..Vd-1, so unmapped tokens would fall outside these ids)."""
+  target, path, _ = pair
+  vocab = np.arange(100, 164)
+  d = dj.load_drafter(path, target, draft_vocab=vocab)
+  logits = dj.draft_logits(target, d, PROMPTS[0])[None]
+  for method, budget in (("chain", 0), ("ddtree", 24)):
+    lc = decode.LoopConfig(method=method, max_new_tokens=8, num_drafts=logits.shape[1],
+                           budget=budget)
+    tree = decode.make_tree(lc, logits, jnp.asarray([7], jnp.int32), d.config.vocab(d.params))
+    assert int(tree.tokens[0, 0]) == 7
+    assert np.isin(np.asarray(tree.tokens[0, 1:]), vocab).all(), method
 
 
 def test_restricted_drafter_sharded_equals_unsharded(pair):
@@ -124,6 +137,9 @@ def test_restricted_drafter_sharded_equals_unsharded(pair):
   st = dj.load_target(target.path, dtype="float32", mesh=mesh)
   sd = dj.load_drafter(path, st, draft_vocab=vocab)
   assert sd.params.lm_head.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "tp")), 2)
+  odd = drafter_lib.restrict_vocab(dj.load_drafter(path, target).params, target.params,
+                                  np.arange(6))  # 6 ids, tp=4: the head is replicated
+  assert sharding.specs(odd, mesh).lm_head == P(None, None)
   res = dj.generate(st, PROMPTS, method="ddtree", drafter=sd, budget=16, max_new_tokens=M,
                     stop_token_ids=())
   assert res.tokens == want.tokens == ar
@@ -134,10 +150,11 @@ def test_bad_draft_vocab_is_refused_by_name(pair, tmp_path):
   target, path, _ = pair
   d = dj.load_drafter(path, target)
   v = target.config.vocab_size
-  for bad, match in (([0, v], "in \\[0, 256\\)"), ([3, 3], "distinct"), ([-1], "in \\[0"),
-                     ([], "non-empty"), ([[1, 2]], "1-D"), ([0.5], "int")):
+  for bad, match in ((np.asarray([0, v]), "in \\[0, 256\\)"), (np.asarray([3, 3]), "distinct"),
+                     (np.asarray([-1]), "in \\[0"), (np.zeros((0,), np.int32), "empty"),
+                     (np.asarray([[1, 2]]), "1-D"), (np.asarray([0.5]), "int ids")):
     with pytest.raises(ValueError, match=match):
-      drafter_lib.restrict_vocab(d.params, target.params, np.asarray(bad))
+      drafter_lib.restrict_vocab(d.params, target.params, bad)
   sub = drafter_lib.restrict_vocab(d.params, target.params, np.arange(8))
   with pytest.raises(ValueError, match="already restricted"):
     drafter_lib.restrict_vocab(sub, target.params, np.arange(4))

@@ -135,11 +135,15 @@ def test_draft_vocab_config_key(tmp_path):
       "drafter_shape.target_layer_ids": "", "drafter_shape.mask_token_id": -1,
       "draft_vocab": str(tmp_path / "missing.npy")})
   with pytest.raises(workflow.ConfigError, match="draft_vocab .*missing.npy"):
-    workflow.load_models(cfg)
+    workflow.validate(cfg)
   ids = np.asarray([5, 3, 40, 0], np.int32)
   np.save(tmp_path / "ids.npy", ids)
   cfg.draft_vocab = str(tmp_path / "ids.npy")
-  cfg.drafter_int8 = True
+  cfg.random_drafter, cfg.methods = False, "ar"
+  with pytest.raises(workflow.ConfigError, match="no drafter"):
+    workflow.validate(cfg)
+  cfg.random_drafter, cfg.methods, cfg.drafter_int8 = True, "ddtree", True
+  workflow.validate(cfg)
   _, d = workflow.load_models(cfg)
   np.testing.assert_array_equal(d.params.draft_vocab, ids)
   assert d.params.lm_head.shape == (32, 4) and d.params.lm_head.q.dtype == jnp.int8
