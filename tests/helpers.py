@@ -133,3 +133,18 @@ def write_target(path, *, heads=8, kv_heads=8, hidden=64, head_dim=16, inter=128
     json.dump(cfg, f)
   save_file(t, os.path.join(path, "model.safetensors"))
   return path
+
+
+# A random 2-layer target, a block-8 drafter for it and AR's 24 tokens for four ragged prompts
+# (the int8 and draft-vocabulary drafter tests).
+PAIR_PROMPTS = [[3, 17, 99, 4, 250, 31, 8], [42], [7] * 12 + [9], [200, 1, 0]]
+PAIR_NEW_TOKENS = 24
+
+
+def small_pair(root):
+  """(float32 target, drafter checkpoint path, AR tokens of PAIR_PROMPTS) under folder root."""
+  import ddtree_jax as dj  # pylint: disable=import-outside-toplevel
+  target = dj.load_target(write_target(os.path.join(root, "target")), dtype="float32")
+  path = write_drafter(os.path.join(root, "drafter"), target.config, block_size=8)
+  ar = dj.generate(target, PAIR_PROMPTS, max_new_tokens=PAIR_NEW_TOKENS, stop_token_ids=()).tokens
+  return target, path, ar

@@ -11,19 +11,15 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import ddtree_jax as dj
 from ddtree_jax import checkpoint, decode, drafter as drafter_lib, sharding, training
-from helpers import OracleConfig, oracle_drafter, write_drafter, write_target
+from helpers import (PAIR_NEW_TOKENS, PAIR_PROMPTS, OracleConfig, oracle_drafter,
+                     small_pair)
 
-M = 24
-PROMPTS = [[3, 17, 99, 4, 250, 31, 8], [42], [7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 9], [200, 1, 0]]
+M, PROMPTS = PAIR_NEW_TOKENS, PAIR_PROMPTS
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-  root = tmp_path_factory.mktemp("vocab")
-  target = dj.load_target(write_target(str(root / "target")), dtype="float32")
-  path = write_drafter(str(root / "drafter"), target.config, block_size=8)
-  ar = dj.generate(target, PROMPTS, max_new_tokens=M, stop_token_ids=()).tokens
-  return target, path, ar
+  return small_pair(str(tmp_path_factory.mktemp("vocab")))
 
 
 @dataclasses.dataclass(frozen=True)

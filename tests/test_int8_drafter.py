@@ -11,19 +11,14 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import ddtree_jax as dj
 from ddtree_jax import checkpoint, model, sharding, training
-from helpers import write_drafter, write_target
+from helpers import PAIR_NEW_TOKENS, PAIR_PROMPTS, small_pair
 
-M = 24
-PROMPTS = [[3, 17, 99, 4, 250, 31, 8], [42], [7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 9], [200, 1, 0]]
+M, PROMPTS = PAIR_NEW_TOKENS, PAIR_PROMPTS
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-  root = tmp_path_factory.mktemp("int8")
-  target = dj.load_target(write_target(str(root / "target")), dtype="float32")
-  path = write_drafter(str(root / "drafter"), target.config, block_size=8)
-  ar = dj.generate(target, PROMPTS, max_new_tokens=M, stop_token_ids=()).tokens
-  return target, path, ar
+  return small_pair(str(tmp_path_factory.mktemp("int8")))
 
 
 def test_quantize_int8_rounds_each_output_channel():
