@@ -69,7 +69,7 @@ class DrafterParams:
   # XLA merges the per-layer context GEMMs (one shared input) into one anyway, and for int8
   # weights it first concatenated them: a 42 MB copy per step at Qwen3-8B (51 us on the H200).
   context_wkv: model.Int8Weight | None = None
-  draft_vocab: Array | None = None  # int32 [Vd]: vocabulary id of each lm_head column (restrict_vocab)
+  draft_vocab: Array | None = None  # int32 [Vd]: the id of each lm_head column (restrict_vocab)
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -122,8 +122,9 @@ def quantize_int8(params: DrafterParams, target_params: model.Params) -> Drafter
   """Int8 drafter: fc and every layer's matrices, per output channel, plus an int8 lm_head that
   only the drafter reads (its own head if it has one, e.g. [H, Vd] after restrict_vocab, else a
   copy of the target's [H, V], from the tied embedding when there is no lm_head), and its
-  layers' k/v weights stacked for the context rows (`context_wkv`). Norms stay in their dtype; `model.dense` quantizes each GEMM's input rows on the fly (W8A8),
-  everything between the GEMMs stays in the params' dtype."""
+  layers' k/v weights stacked for the context rows (`context_wkv`). Norms stay in their dtype;
+  `model.dense` quantizes each GEMM's input rows on the fly (W8A8), everything between the GEMMs
+  stays in the params' dtype."""
   q = model.quantize_int8
   layers = [dataclasses.replace(l, wq=q(l.wq), wkv=q(l.wkv), wo=q(l.wo, 2), w_gate_up=q(l.w_gate_up),
                                 w_down=q(l.w_down)) for l in params.layers]
