@@ -184,16 +184,14 @@ def main(_):
   dp, dcfg = make_drafter(tcfg, jax.random.key(1), small)
   dps = {"bf16": sharding.shard_params(dp, MESH)}
   names = FLAGS.drafters.split(",")
-  for name in names:
-    base, _, size = name.partition(":v")
-    if base not in ("bf16", "int8") or (":" in name and not size.isdigit()):
-      raise ValueError(f"--drafters: {name!r}; valid: bf16 or int8, optionally with :vN "
-                       "(N > 0 ids), e.g. int8:v32768")
-  if any(n.split(":")[0] == "int8" for n in names):
+  if any(n.partition(":")[0] == "int8" for n in names):
     dps["int8"] = sharding.shard_params(jax.jit(quantize_int8)(dps["bf16"], tp), MESH)
   for name in names:
-    if ":v" in name:
-      base, size = name.split(":v")
+    base, _, size = name.partition(":v")
+    if base not in dps or (name != base and not size.isdigit()):
+      raise ValueError(f"--drafters: {name!r}; valid: bf16 or int8, optionally with :vN "
+                       "(N > 0 ids), e.g. int8:v32768")
+    if name != base:
       dps[name] = sharding.shard_params(restrict_vocab(dps[base], tp, np.arange(int(size))),
                                         MESH)
   dps = {name: dps[name] for name in names}
