@@ -51,6 +51,15 @@ class LoopConfig:
     return fn if self.mesh is None else sharding.shard_attention(fn, self.mesh, self.rules)
 
   @property
+  def qk_fn(self):
+    """The q/k RMSNorm + RoPE after the projections: one Pallas kernel with Pallas attention."""
+    if self.attention != "pallas":
+      return model.norm_rope
+    from ddtree_jax.pallas.qk_norm_rope import qk_norm_rope  # pylint: disable=import-outside-toplevel
+    return qk_norm_rope if self.mesh is None else sharding.shard_qk_norm_rope(qk_norm_rope,
+                                                                              self.mesh, self.rules)
+
+  @property
   def embed_fn(self):
     return model.embed_lookup if self.mesh is None else sharding.shard_embed_lookup(self.mesh,
                                                                                     self.rules)
@@ -138,7 +147,7 @@ def verify_and_pick(tparams, tcfg, dcfg, lc: LoopConfig, state: DecodeState, tre
   taps_at = () if dcfg is None else dcfg.target_layer_ids
   logits, new_k, new_v, taps = verify.verify_tree(tparams, tcfg, state.cache, tree.tokens,
                                                   tree.depths, tree.visibility, taps_at,
-                                                  lc.attn_fn, lc.embed_fn)
+                                                  lc.attn_fn, lc.embed_fn, lc.qk_fn)
   return verify.pick(logits, lc.temperature, key, lc.top_k, lc.top_p), new_k, new_v, taps
 
 
@@ -155,7 +164,7 @@ def step(tparams, tcfg, dparams, dcfg, lc: LoopConfig, state: DecodeState) -> De
   if lc.method != "ar":
     with jax.named_scope("draft"):  # scopes name the stages in profiles (profile_step.py)
       logits = dcfg.draft(dparams, tparams, state.draft_cache, state.bonus, lc.attn_fn,
-                          lc.embed_fn)
+                          lc.embed_fn, lc.qk_fn)
   with jax.named_scope("tree"):
     tree = make_tree(lc, logits, state.bonus, None if dcfg is None else dcfg.vocab(dparams))
   with jax.named_scope("verify"):
@@ -175,7 +184,7 @@ def prefill(tparams, dparams, tokens, lens, key, *, tcfg, dcfg, lc: LoopConfig, 
   taps_at = () if dcfg is None else dcfg.target_layer_ids
   hidden, new_k, new_v, taps = model.forward(tparams, tcfg, tokens, positions, cache,
                                              model.causal_mask(lens, t), taps_at, lc.attn_fn,
-                                             lc.embed_fn)
+                                             lc.embed_fn, lc.qk_fn)
   cache = model.commit(cache, new_k, new_v, positions, lens)
   draft_cache = None
   if dcfg is not None:

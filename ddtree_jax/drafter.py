@@ -7,7 +7,7 @@ Block: target embeddings of [bonus, MASK x (bs-1)] at positions start..start+bs-
 block only, non-causal over [context; block]. Output slot j (1..bs-1) is the distribution of the
 token AT position start+j: the drafter's final norm, then the target's lm_head.
 
-`quantize_int8` makes an int8 drafter (its matrices, its own int8 copy of the lm_head and its
+`quantize_int8` makes an int8 drafter (its matrices but o, its own int8 copy of the lm_head and its
 layers' k/v weights stacked for the context rows, run as int8 x int8 GEMMs by `model.dense`):
 half the bytes a draft reads. `restrict_vocab` gives the drafter its own lm_head over a subset
 of the vocabulary (e.g. the most frequent tokens, as FR-Spec and EAGLE-3 draft): its logits and
@@ -44,8 +44,8 @@ class DrafterConfig:
 
   # The decode loop talks to a drafter only through these methods (tests plug in oracles).
   def draft(self, params, target_params, cache, bonus, attn_fn=attend_xla,
-            embed_fn=model.embed_lookup):
-    return draft_logits(params, self, target_params, cache, bonus, attn_fn, embed_fn)
+            embed_fn=model.embed_lookup, qk_fn=None):
+    return draft_logits(params, self, target_params, cache, bonus, attn_fn, embed_fn, qk_fn)
 
   def context(self, params, taps, positions):
     return context_kv(params, self, taps, positions)
@@ -96,7 +96,8 @@ def context_kv(params: DrafterParams, cfg: DrafterConfig, taps, positions):
 
 
 def draft_logits(params: DrafterParams, cfg: DrafterConfig, target_params: model.Params,
-                 cache: model.KVCache, bonus, attn_fn=attend_xla, embed_fn=model.embed_lookup):
+                 cache: model.KVCache, bonus, attn_fn=attend_xla, embed_fn=model.embed_lookup,
+                 qk_fn=None):
   """One block of drafts. cache: drafter context K/V with lens = committed length (= block start);
   bonus [B] int32. Returns float32 logits [B, bs-1, V] for positions start+1..start+bs-1 (over
   params.draft_vocab's Vd ids instead when that is set)."""
@@ -110,7 +111,7 @@ def draft_logits(params: DrafterParams, cfg: DrafterConfig, target_params: model
   full = jnp.ones((b, bs, bs), bool)
   for i, layer in enumerate(params.layers):
     x, _, _ = model.attention_block(layer, lc, x, cos, sin, cache.k, cache.v, cache.lens,
-                                    full, attn_fn, cache_layer=i)
+                                    full, attn_fn, cache_layer=i, qk_fn=qk_fn)
     x = model.mlp_block(layer, lc, x)
   hidden = model.rms_norm(x[:, 1:], params.final_norm, lc.rms_norm_eps)
   if params.lm_head is not None:
@@ -119,14 +120,17 @@ def draft_logits(params: DrafterParams, cfg: DrafterConfig, target_params: model
 
 
 def quantize_int8(params: DrafterParams, target_params: model.Params) -> DrafterParams:
-  """Int8 drafter: fc and every layer's matrices, per output channel, plus an int8 lm_head that
-  only the drafter reads (its own head if it has one, e.g. [H, Vd] after restrict_vocab, else a
-  copy of the target's [H, V], from the tied embedding when there is no lm_head), and its
-  layers' k/v weights stacked for the context rows (`context_wkv`). Norms stay in their dtype;
-  `model.dense` quantizes each GEMM's input rows on the fly (W8A8), everything between the GEMMs
-  stays in the params' dtype."""
+  """Int8 drafter: fc and every layer's q, k/v, gate/up and down, per output channel, plus an
+  int8 lm_head that only the drafter reads (its own head if it has one, e.g. [H, Vd] after
+  restrict_vocab, else a copy of the target's [H, V], from the tied embedding when there is no
+  lm_head), and its layers' k/v weights stacked for the context rows (`context_wkv`). Norms stay
+  in their dtype; `model.dense` quantizes each GEMM's input rows on the fly (W8A8), everything
+  between the GEMMs stays in the params' dtype. o stays in the params' dtype too: at 16 rows its
+  bf16 GEMM was as fast as W8A8's on the H200 (13.0 vs 14.3 us), and its input, the attention
+  output, then needs no row max and int8 rounding (kernels of their own; WORKSPACE.md, twelfth
+  session)."""
   q = model.quantize_int8
-  layers = [dataclasses.replace(l, wq=q(l.wq), wkv=q(l.wkv), wo=q(l.wo, 2), w_gate_up=q(l.w_gate_up),
+  layers = [dataclasses.replace(l, wq=q(l.wq), wkv=q(l.wkv), w_gate_up=q(l.w_gate_up),
                                 w_down=q(l.w_down)) for l in params.layers]
   head = params.lm_head if params.lm_head is not None else _target_head(target_params)
   if not isinstance(head, model.Int8Weight):

@@ -79,7 +79,7 @@ def dense(spec, x, w, out_dtype=None):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LayerParams:
-  """One decoder layer; a drafter's five matrices may be Int8Weights (`drafter.quantize_int8`)."""
+  """One decoder layer; a drafter's matrices may be Int8Weights (`drafter.quantize_int8`)."""
   input_norm: Array        # [H]
   wq: Array                # [H, N, D]
   wkv: Array               # [H, 2, K, D]  (k, v)
@@ -171,13 +171,20 @@ def apply_rope(x, cos, sin):
 # the H200 layer matmuls at 65 / 129 rows took 174 / 290 us against 142 / 162 us
 # (experiments/bench_gemm.py, WORKSPACE.md 2026-11-30). Slicing the stacked weight instead copies
 # it every step (2x slower).
-def project_qkv(layer: LayerParams, cfg: ModelConfig, h, cos, sin):
-  """Normed input h [B, T, H] -> q [B, T, N, D], k, v [B, T, K, D] (q/k normed and RoPE'd)."""
+def project_qkv(layer: LayerParams, cfg: ModelConfig, h, cos, sin, qk_fn=None):
+  """Normed input h [B, T, H] -> q [B, T, N, D], k, v [B, T, K, D] (q/k normed and RoPE'd by
+  qk_fn: `norm_rope`, or the same in one Pallas kernel, `pallas.qk_norm_rope`)."""
   q = dense("bth,hnd->btnd", h, layer.wq)
-  k, v = project_kv(layer, cfg, h, cos, sin)
-  if layer.q_norm is not None:
-    q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
-  return apply_rope(q, cos, sin), k, v
+  kv = dense("bth,hskd->btskd", h, layer.wkv)
+  return (qk_fn or norm_rope)(q, kv, layer.q_norm, layer.k_norm, cos, sin, eps=cfg.rms_norm_eps)
+
+
+def norm_rope(q, kv, q_norm, k_norm, cos, sin, *, eps):
+  """The projections q [B, T, N, D], kv [B, T, 2, K, D] -> q, k (each RMSNormed over D when its
+  norm [D] is not None (Qwen3), then RoPE'd), v [B, T, K, D]."""
+  norm = lambda x, w: x if w is None else rms_norm(x, w, eps)
+  return (apply_rope(norm(q, q_norm), cos, sin), apply_rope(norm(kv[:, :, 0], k_norm), cos, sin),
+          kv[:, :, 1])
 
 
 def project_kv(layer: LayerParams, cfg: ModelConfig, h, cos, sin):
@@ -194,12 +201,12 @@ def kv_rows(layer: LayerParams, cfg: ModelConfig, kv, cos, sin):
 
 
 def attention_block(layer, cfg, x, cos, sin, k_cache, v_cache, prefix_len, new_mask, attn_fn,
-                    cache_layer=None):
+                    cache_layer=None, qk_fn=None):
   """Residual attention sub-block; also returns the new rows' k, v [B, T, K, D].
 
   k_cache/v_cache: [B, K, S, D], or a KVCache's [L, B, K, S, D] with cache_layer the layer."""
   h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
-  q, k, v = project_qkv(layer, cfg, h, cos, sin)
+  q, k, v = project_qkv(layer, cfg, h, cos, sin, qk_fn)
   kw = {} if cache_layer is None else {"layer": cache_layer}
   o = attn_fn(q, k_cache, v_cache, prefix_len, k, v, new_mask, scale=cfg.head_dim ** -0.5, **kw)
   return x + output_projection(layer, o), k, v
@@ -224,13 +231,14 @@ def embed_lookup(table, tokens):
 
 def forward(params: Params, cfg: ModelConfig, tokens, positions, cache: KVCache, new_mask,
             tap_layers: tuple[int, ...] = (), attn_fn: Callable = attend_xla,
-            embed_fn: Callable = embed_lookup):
+            embed_fn: Callable = embed_lookup, qk_fn: Callable | None = None):
   """Target forward of new tokens over the cached prefix (the cache is not modified).
 
   Args:
     tokens, positions: [B, T] int32. new_mask: [B, T, T] bool visibility among the new tokens.
     tap_layers: layer ids whose residual outputs are returned (HF hidden_states[id + 1]).
-    attn_fn, embed_fn: the attention and the embedding lookup (per-shard versions on a mesh).
+    attn_fn, embed_fn, qk_fn: the attention, the embedding lookup and the q/k norm + RoPE
+      (`norm_rope` when None); per-shard versions on a mesh.
   Returns:
     hidden [B, T, H] after the final norm; new_k, new_v: per layer [B, T, K, D];
     taps [B, T, len(tap_layers) * H] (concatenated in tap_layers order) or None.
@@ -240,7 +248,7 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, cache: KVCache,
   new_k, new_v, taps = [], [], {}
   for i, layer in enumerate(params.layers):
     x, k, v = attention_block(layer, cfg, x, cos, sin, cache.k, cache.v, cache.lens,
-                              new_mask, attn_fn, cache_layer=i)
+                              new_mask, attn_fn, cache_layer=i, qk_fn=qk_fn)
     x = mlp_block(layer, cfg, x)
     new_k.append(k)
     new_v.append(v)

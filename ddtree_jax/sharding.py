@@ -16,7 +16,8 @@ decode-state pytree into a matching pytree of NamedShardings. Layouts (model.py,
 
 Everything else is GSPMD: params and caches carry NamedShardings and jit propagates them. The
 attention runs per shard inside `jax.shard_map` (`shard_attention`), since a pallas_call cannot
-take sharded operands, and so does the embedding lookup (`shard_embed_lookup`: a lookup in a
+take sharded operands, and so do the Pallas q/k norm + RoPE (`shard_qk_norm_rope`) and the
+embedding lookup (`shard_embed_lookup`: a lookup in a
 vocab-split table, left to GSPMD, all-gathered the table).
 
 Indivisible dimensions: a dimension mapped to a mesh axis must divide by the axis size, else a
@@ -313,6 +314,30 @@ def shard_attention(attn_fn: Callable, mesh: Mesh, rules: ShardingRules | None =
                          in_specs=(q_spec, c_spec, c_spec, P(bt), n_spec, n_spec,
                                    P(bt, None, None)))(
         q, k_cache, v_cache, prefix_len, k_new, v_new, new_mask)
+
+  return wrapped
+
+
+def shard_qk_norm_rope(qk_fn: Callable, mesh: Mesh, rules: ShardingRules | None = None) -> Callable:
+  """Wraps a q/k norm + RoPE with the `model.norm_rope` contract to run per shard in shard_map:
+  q [B, T, N, D] split on N, kv [B, T, 2, K, D] on K (when the kv heads are split with the q
+  heads; else every device does all of them), cos/sin [B, T, D] on B. Per row and head, so there
+  is no communication."""
+  rules = rules or DEFAULT_RULES
+
+  def wrapped(q, kv, q_norm, k_norm, cos, sin, *, eps):
+    size = lambda name: mesh.shape[name] if name in mesh.shape else 1
+    b, hq, hkv = q.shape[0], q.shape[2], kv.shape[3]
+    bt = rules.batch if rules.batch in mesh.shape and b % size(rules.batch) == 0 else None
+    hd = rules.heads if rules.heads in mesh.shape and hq % size(rules.heads) == 0 else None
+    kv_ax = hd if hd is not None and rules.kv_heads == hd and hkv % size(hd) == 0 else None
+    local = lambda *a: qk_fn(*a, eps=eps)
+    norm = None if q_norm is None else P()
+    q_spec, k_spec, rows = P(bt, None, hd, None), P(bt, None, kv_ax, None), P(bt, None, None)
+    return jax.shard_map(local, mesh=mesh, out_specs=(q_spec, k_spec, k_spec), check_vma=False,
+                         in_specs=(q_spec, P(bt, None, None, kv_ax, None), norm,
+                                   None if k_norm is None else P(), rows, rows))(
+        q, kv, q_norm, k_norm, cos, sin)
 
   return wrapped
 

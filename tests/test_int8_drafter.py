@@ -119,12 +119,12 @@ def test_int8_drafter_sharded_equals_unsharded(pair):
   layer, p = sd8.params.layers[0], sd8.params
   for w, q_spec, s_spec in ((layer.wq, ("tp", None, None), ("tp", None)),
                             (layer.wkv, (None, "tp", None, None), (None, "tp", None)),
-                            (layer.wo, (None, "tp", None), (None,)),
                             (layer.w_gate_up, (None, "tp", None), (None, "tp")),
                             (layer.w_down, (None, "tp"), (None,)),
                             (p.fc, ("tp", None), ("tp",)), (p.lm_head, ("tp", None), ("tp",)),
                             (p.context_wkv, (None, None, "tp", None, None), (None, None, "tp"))):
     assert laid(w.q, *q_spec) and laid(w.scale, *s_spec), (w.shape, w.q.sharding, w.scale.sharding)
+  assert not isinstance(layer.wo, model.Int8Weight) and laid(layer.wo, "tp", None, None)  # o stays float
   np.testing.assert_allclose(dj.draft_logits(st, sd8, PROMPTS[0]),
                              dj.draft_logits(target, d8, PROMPTS[0]), rtol=1e-5, atol=1e-5)
   res = dj.generate(st, PROMPTS, method="ddtree", drafter=sd8, budget=16, max_new_tokens=M,

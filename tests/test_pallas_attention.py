@@ -12,11 +12,11 @@ import jax.numpy as jnp
 
 from ddtree_jax.attention import attend_xla
 from ddtree_jax.pallas import tree_attention
+from helpers import abstract_h200_mesh, triton_custom_calls, verify_triton_ir
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated.*")
 
 BUDGETS = [1, 2, 3, 4, 7, 8, 15, 16, 31, 32, 63, 64, 127, 128, 255, 256, 512]
-TRITON_TARGET = "__gpu$xla.gpu.triton"
 
 
 def _inputs(rng, b, t, hq, hkv, s, d, dtype, prefix_len=None, mask=None):
@@ -161,7 +161,7 @@ def test_fully_masked_rows_are_zero_not_nan():
 
 
 def test_merge_splits_equals_the_softmax_weighted_mean():
-  """The one-reduction merge equals exp-weighting the splits by their log-sum-exp, with splits
+  """The merge equals exp-weighting the splits by their log-sum-exp, with splits
   that saw no key (lse NEG_INF, o 0) ignored and a row no split saw giving 0."""
   from ddtree_jax.pallas.tree_attention import NEG_INF, merge_splits
   rng = np.random.default_rng(5)
@@ -202,17 +202,6 @@ def test_stacked_layer_caches_equal_one_layer():
 
 
 # ---------------------------------------------------------------------------------------------
-# Lowering for CUDA on a machine without a GPU: an abstract H200 makes the Pallas Triton lowering
-# rule run, which emits the Triton module as a serialized custom call. We also parse that module
-# back and run the MLIR verifier on it (catches ill-typed Triton IR before it reaches a GPU).
-
-
-def _abstract_h200_mesh():
-  from jax.sharding import AbstractDevice, AbstractMesh, AxisType
-  dev = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
-  return AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=dev)
-
-
 def _lower_for_h200(b, t, hq, hkv, s, d, dtype=jnp.bfloat16, layers=None, **kw):
   sds = jax.ShapeDtypeStruct
   cache = (b, hkv, s, d) if layers is None else (layers, b, hkv, s, d)
@@ -220,38 +209,8 @@ def _lower_for_h200(b, t, hq, hkv, s, d, dtype=jnp.bfloat16, layers=None, **kw):
           sds((b,), jnp.int32), sds((b, t, hkv, d), dtype), sds((b, t, hkv, d), dtype),
           sds((b, t, t), jnp.bool_))
   fn = lambda *a: tree_attention(*a, scale=d ** -0.5, interpret=False, **kw)
-  with jax.sharding.use_abstract_mesh(_abstract_h200_mesh()):
+  with jax.sharding.use_abstract_mesh(abstract_h200_mesh()):
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
-
-
-def _triton_custom_calls(lowered):
-  found = []
-
-  def walk(op):
-    for region in op.regions:
-      for block in region.blocks:
-        for inner in block.operations:
-          if inner.operation.name == "stablehlo.custom_call":
-            found.append(inner.operation)
-          walk(inner.operation)
-
-  walk(lowered.compiler_ir("stablehlo").operation)
-  return [op for op in found if TRITON_TARGET in str(op.attributes["call_target_name"])]
-
-
-def _verify_triton_ir(call):
-  """Parse the serialized Triton module of one custom call and run the MLIR verifier on it."""
-  try:
-    from jax._src.lib.mlir import ir
-    from jax._src.pallas.triton import lowering as triton_lowering
-  except ImportError:  # internal API moved: the custom-call check above still stands
-    return None
-  cfg = call.attributes["mhlo.backend_config"]
-  data = ir.StringAttr(cfg["ir"]).value_bytes
-  with triton_lowering._new_ir_context():  # pylint: disable=protected-access
-    module = ir.Module.parse(data)
-    assert module.operation.verify()
-    return module.operation.get_asm()
 
 
 @pytest.mark.parametrize("g", [1, 4])
@@ -260,9 +219,9 @@ def test_lowers_for_h200_at_every_budget(g):
   for budget in BUDGETS:
     t = budget + 1
     lowered = _lower_for_h200(2, t, g * hkv, hkv, 4096, d)
-    calls = _triton_custom_calls(lowered)
+    calls = triton_custom_calls(lowered)
     assert len(calls) == 1, (budget, g)
-    asm = _verify_triton_ir(calls[0])
+    asm = verify_triton_ir(calls[0])
     if asm is not None:
       assert "tt.dot" in asm and "scf.for" in asm, (budget, g)
 
@@ -275,9 +234,9 @@ def test_lowers_for_h200_at_every_budget(g):
 ])
 def test_lowers_for_h200_other_shapes(b, t, hq, hkv, s, d, splits):
   kw = dict(layers=36, layer=35) if splits == "stacked" else dict(num_splits=splits)
-  calls = _triton_custom_calls(_lower_for_h200(b, t, hq, hkv, s, d, **kw))
+  calls = triton_custom_calls(_lower_for_h200(b, t, hq, hkv, s, d, **kw))
   assert len(calls) == 1
-  _verify_triton_ir(calls[0])
+  verify_triton_ir(calls[0])
 
 
 @pytest.mark.parametrize("b,t,cap,splits", [

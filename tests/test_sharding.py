@@ -75,6 +75,20 @@ def test_generate_sharded_equals_unsharded(paths, reference, shape):
     assert res.stats["acceptance_lengths"] == acc[method], method
 
 
+def test_pallas_kernels_sharded_equal_unsharded(paths, reference):
+  """attention="pallas" on dp2 x tp4: the tree attention and the q/k norm + RoPE kernels run per
+  shard (interpret mode) in the target and the real drafter; same tokens and acceptance."""
+  target, drafter, ar, _ = reference
+  run = lambda t, d: dj.generate(t, PROMPTS, method="ddtree", drafter=d, budget=BUDGET,
+                                 max_new_tokens=M, stop_token_ids=(), attention="pallas")
+  want = run(target, drafter)
+  mesh = sharding.make_mesh({"dp": 2, "tp": 4})
+  st = dj.load_target(paths[0], dtype="float32", mesh=mesh)
+  got = run(st, dj.load_drafter(paths[1], st))
+  assert got.tokens == want.tokens == ar
+  assert got.stats["acceptance_lengths"] == want.stats["acceptance_lengths"]
+
+
 def test_batch_not_divisible_by_dp_is_padded(paths, reference):
   _, _, ar, _ = reference
   target = dj.load_target(paths[0], dtype="float32", mesh=sharding.make_mesh({"dp": 2, "tp": 4}))

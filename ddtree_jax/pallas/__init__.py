@@ -1,5 +1,6 @@
 """Pallas kernels (GPU Triton backend; interpret mode on CPU)."""
 
+from ddtree_jax.pallas.qk_norm_rope import qk_norm_rope
 from ddtree_jax.pallas.tree_attention import attention_config, tree_attention
 
-__all__ = ["attention_config", "tree_attention"]
+__all__ = ["attention_config", "qk_norm_rope", "tree_attention"]

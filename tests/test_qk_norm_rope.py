@@ -1,0 +1,83 @@
+"""The Pallas q/k RMSNorm + RoPE kernel (interpret mode on CPU) against `model.norm_rope`."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from ddtree_jax import model, sharding
+from ddtree_jax.config import ModelConfig
+from ddtree_jax.pallas import qk_norm_rope
+from helpers import abstract_h200_mesh, triton_custom_calls, verify_triton_ir
+
+
+def _inputs(b, t, n, k, d, dtype, norms=True, seed=0):
+  rng = np.random.default_rng(seed)
+  f = lambda *shape, s=1.0: jnp.asarray(rng.standard_normal(shape) * s, dtype)
+  cfg = ModelConfig(model_type="qwen3", vocab_size=8, hidden_size=n * d, intermediate_size=8,
+                    num_layers=1, num_heads=n, num_kv_heads=k, head_dim=d, rope_theta=1e6)
+  positions = jnp.asarray(rng.integers(0, 4096, (b, t)), jnp.int32)
+  cos, sin = model.rope_tables(cfg, positions, dtype)
+  norm = lambda: (1 + f(d, s=0.2)).astype(dtype) if norms else None
+  return f(b, t, n, d, s=3.0), f(b, t, 2, k, d), norm(), norm(), cos, sin
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("b,t,n,k,d", [(2, 5, 8, 2, 32), (1, 3, 4, 4, 128), (3, 1, 2, 1, 16)])
+def test_kernel_equals_norm_rope(dtype, b, t, n, k, d):
+  """bf16: bit for bit (the kernel rounds where each XLA op does); float32: to summation order."""
+  args = _inputs(b, t, n, k, d, dtype)
+  got = qk_norm_rope(*args, eps=1e-6)
+  want = model.norm_rope(*args, eps=1e-6)
+  for g, w in zip(got, want):
+    assert g.shape == w.shape and g.dtype == w.dtype
+    if dtype == jnp.bfloat16:
+      np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    else:
+      np.testing.assert_allclose(g, w, rtol=2e-6, atol=2e-6)
+  np.testing.assert_array_equal(got[2], args[1][:, :, 1])  # v is the projection's second half
+
+
+@pytest.mark.parametrize("case", ["no_norms", "heads_not_pow2"])
+def test_other_models_take_the_xla_path(case):
+  """Llama (no q/k norm) and head counts Triton cannot block take `model.norm_rope` as it is."""
+  args = _inputs(2, 3, 6 if case == "heads_not_pow2" else 4, 2, 16, jnp.float32,
+                 norms=case != "no_norms")
+  jaxpr = str(jax.make_jaxpr(functools.partial(qk_norm_rope, eps=1e-6))(*args))
+  assert "pallas_call" not in jaxpr
+  want = jax.jit(functools.partial(model.norm_rope, eps=1e-6))(*args)
+  for g, w in zip(qk_norm_rope(*args, eps=1e-6), want):
+    np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.parametrize("rules", [sharding.ShardingRules(), sharding.ShardingRules(kv_heads=None)],
+                         ids=["kv_split", "kv_replicated"])
+def test_sharded_equals_unsharded(rules):
+  mesh = sharding.make_mesh({"dp": 2, "tp": 4})
+  args = _inputs(2, 5, 8, 4, 32, jnp.float32)
+  kv = "tp" if rules.kv_heads else None
+  specs = (P("dp", None, "tp", None), P("dp", None, None, kv, None), P(), P(), P("dp"), P("dp"))
+  placed = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs)]
+  fn = sharding.shard_qk_norm_rope(qk_norm_rope, mesh, rules)
+  got = jax.jit(functools.partial(fn, eps=1e-6))(*placed)
+  assert got[0].sharding.is_equivalent_to(NamedSharding(mesh, specs[0]), 4)
+  for g, w in zip(got, model.norm_rope(*args, eps=1e-6)):
+    np.testing.assert_allclose(g, w, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("t", [1, 33, 65])
+def test_lowers_for_h200(t):
+  """Qwen3-8B heads (32 q, 8 kv, D=128) in bf16: one Triton custom call with valid IR."""
+  sds = jax.ShapeDtypeStruct
+  bf = jnp.bfloat16
+  args = (sds((1, t, 32, 128), bf), sds((1, t, 2, 8, 128), bf), sds((128,), bf), sds((128,), bf),
+          sds((1, t, 128), bf), sds((1, t, 128), bf))
+  fn = functools.partial(qk_norm_rope, eps=1e-6, interpret=False)
+  with jax.sharding.use_abstract_mesh(abstract_h200_mesh()):
+    lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+  calls = triton_custom_calls(lowered)
+  assert len(calls) == 1
+  verify_triton_ir(calls[0])
