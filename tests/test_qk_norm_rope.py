@@ -26,7 +26,8 @@ def _inputs(b, t, n, k, d, dtype, norms=True, seed=0):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("b,t,n,k,d", [(2, 5, 8, 2, 32), (1, 3, 4, 4, 128), (3, 1, 2, 1, 16)])
+@pytest.mark.parametrize("b,t,n,k,d", [(2, 5, 8, 2, 32), (1, 3, 4, 4, 128), (3, 1, 2, 1, 16),
+                                       (2, 3, 6, 2, 32), (1, 2, 40, 8, 16), (1, 2, 12, 6, 16)])
 def test_kernel_equals_norm_rope(dtype, b, t, n, k, d):
   """bf16: bit for bit (the kernel rounds where each XLA op does); float32: to summation order."""
   args = _inputs(b, t, n, k, d, dtype)
@@ -41,10 +42,10 @@ def test_kernel_equals_norm_rope(dtype, b, t, n, k, d):
   np.testing.assert_array_equal(got[2], args[1][:, :, 1])  # v is the projection's second half
 
 
-@pytest.mark.parametrize("case", ["no_norms", "heads_not_pow2"])
+@pytest.mark.parametrize("case", ["no_norms", "half_dim_not_pow2"])
 def test_other_models_take_the_xla_path(case):
-  """Llama (no q/k norm) and head counts Triton cannot block take `model.norm_rope` as it is."""
-  args = _inputs(2, 3, 6 if case == "heads_not_pow2" else 4, 2, 16, jnp.float32,
+  """Llama (no q/k norm) and a D/2 Triton cannot block take `model.norm_rope` as it is."""
+  args = _inputs(2, 3, 4, 2, 24 if case == "half_dim_not_pow2" else 16, jnp.float32,
                  norms=case != "no_norms")
   jaxpr = str(jax.make_jaxpr(functools.partial(qk_norm_rope, eps=1e-6))(*args))
   assert "pallas_call" not in jaxpr
@@ -68,12 +69,13 @@ def test_sharded_equals_unsharded(rules):
     np.testing.assert_allclose(g, w, rtol=2e-6, atol=2e-6)
 
 
-@pytest.mark.parametrize("t", [1, 33, 65])
-def test_lowers_for_h200(t):
-  """Qwen3-8B heads (32 q, 8 kv, D=128) in bf16: one Triton custom call with valid IR."""
+@pytest.mark.parametrize("t,n,k", [(1, 32, 8), (33, 32, 8), (65, 32, 8), (65, 40, 8), (7, 6, 2)])
+def test_lowers_for_h200(t, n, k):
+  """Qwen3-8B / 14B heads (32 or 40 q, 8 kv, D=128) and the bundled model's (6 / 2) in bf16: one
+  Triton custom call with valid IR."""
   sds = jax.ShapeDtypeStruct
   bf = jnp.bfloat16
-  args = (sds((1, t, 32, 128), bf), sds((1, t, 2, 8, 128), bf), sds((128,), bf), sds((128,), bf),
+  args = (sds((1, t, n, 128), bf), sds((1, t, 2, k, 128), bf), sds((128,), bf), sds((128,), bf),
           sds((1, t, 128), bf), sds((1, t, 128), bf))
   fn = functools.partial(qk_norm_rope, eps=1e-6, interpret=False)
   with jax.sharding.use_abstract_mesh(abstract_h200_mesh()):

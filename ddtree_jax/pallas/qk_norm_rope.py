@@ -3,8 +3,12 @@
 Same contract as `model.norm_rope`. After the q and k/v projections XLA runs five small kernels
 per layer (the split-K sum with v's slice, k's norm, k's RoPE, q's norm, q's RoPE: RoPE's
 rotate-half concatenate keeps it out of the norm's fusion); with this kernel XLA sums the split-K
-partials (two kernels) and the rest is one program per token row. The math and its roundings to
-the activation dtype are those of `model.rms_norm` then `model.apply_rope`.
+partials (two kernels) and the rest is one launch. The math and its roundings to the activation
+dtype are those of `model.rms_norm` then `model.apply_rope`.
+
+Grid (token rows, q-head blocks). Triton blocks are powers of two, so a block holds the largest
+power of two that divides the head count (all 32 q heads of Qwen3-8B, 8 of Qwen3-14B's 40); the
+first kv-head blocks' programs also do k and v.
 """
 
 from __future__ import annotations
@@ -30,44 +34,57 @@ def _norm_rope(x1, x2, w1, w2, c, s, eps, dt):
   return rnd(y1 * c) - rnd(y2 * s), rnd(y2 * c) + rnd(y1 * s)
 
 
-def _kernel(q_ref, kv_ref, qn_ref, kn_ref, cos_ref, sin_ref, qo_ref, ko_ref, vo_ref, *, eps):
+def _kernel(q_ref, kv_ref, qn_ref, kn_ref, cos_ref, sin_ref, qo_ref, ko_ref, vo_ref, *, eps,
+            kv_blocks):
   half = q_ref.shape[-1] // 2
   dt = qo_ref.dtype
   c = cos_ref[0, :half].astype(jnp.float32)[None]  # the tables are [f, f]: one half serves both
   s = sin_ref[0, :half].astype(jnp.float32)[None]
-  for x1, x2, w_ref, o_ref in ((q_ref[0, :, :half], q_ref[0, :, half:], qn_ref, qo_ref),
-                               (kv_ref[0, 0, :, :half], kv_ref[0, 0, :, half:], kn_ref, ko_ref)):
+
+  def head_block(x1, x2, w_ref, o_ref):
     o1, o2 = _norm_rope(x1, x2, w_ref[:half], w_ref[half:], c, s, eps, dt)
     o_ref[0, :, :half] = o1.astype(dt)
     o_ref[0, :, half:] = o2.astype(dt)
-  vo_ref[0] = kv_ref[0, 1]
+
+  head_block(q_ref[0, :, :half], q_ref[0, :, half:], qn_ref, qo_ref)
+
+  @pl.when(pl.program_id(1) < kv_blocks)
+  def _():
+    head_block(kv_ref[0, 0, :, :half], kv_ref[0, 0, :, half:], kn_ref, ko_ref)
+    vo_ref[0] = kv_ref[0, 1]
 
 
-def _pow2(x: int) -> bool:
-  return x > 0 and x & (x - 1) == 0
+def _pow2_part(x: int) -> int:
+  return x & -x
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "interpret"))
 def qk_norm_rope(q, kv, q_norm, k_norm, cos, sin, *, eps, interpret=None):
   """q [B, T, N, D], kv [B, T, 2, K, D], norms [D], cos/sin [B, T, D] -> q, k [B, T, N|K, D]
-  normed and RoPE'd, v [B, T, K, D]. Models without q/k norms, or with head counts or D/2 that
-  are not powers of two (Triton's block shapes), take `model.norm_rope` (XLA).
+  normed and RoPE'd, v [B, T, K, D]. Models without q/k norms, or whose D/2 is not a power of
+  two, take `model.norm_rope` (XLA).
 
   interpret: None = interpret mode on a CPU default backend, compiled Triton otherwise."""
   b, t, n, d = q.shape
   kh = kv.shape[3]
-  if q_norm is None or k_norm is None or not all(map(_pow2, (n, kh, d // 2))) or d % 2:
+  if q_norm is None or k_norm is None or d % 2 or _pow2_part(d // 2) != d // 2 or n % kh:
     return model.norm_rope(q, kv, q_norm, k_norm, cos, sin, eps=eps)
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
-  r = b * t
-  row = lambda *shape: pl.BlockSpec((1, *shape), lambda i: (i,) + (0,) * len(shape))
-  whole = pl.BlockSpec((d,), lambda i: (0,))
+  r, qb, kb = b * t, _pow2_part(n), _pow2_part(kh)
+  kv_blocks = kh // kb  # <= n // qb, as kh divides n
+  last_kv = kv_blocks - 1
+  rows = lambda i, j: (i, 0)
+  whole = pl.BlockSpec((d,), lambda i, j: (0,))
+  q_spec = pl.BlockSpec((1, qb, d), lambda i, j: (i, j, 0))
+  kv_spec = pl.BlockSpec((1, 2, kb, d), lambda i, j: (i, 0, jnp.minimum(j, last_kv), 0))
+  k_spec = pl.BlockSpec((1, kb, d), lambda i, j: (i, jnp.minimum(j, last_kv), 0))
   qo, ko, vo = pl.pallas_call(
-      functools.partial(_kernel, eps=eps),
-      grid=(r,),
-      in_specs=[row(n, d), row(2, kh, d), whole, whole, row(d), row(d)],
-      out_specs=[row(n, d), row(kh, d), row(kh, d)],
+      functools.partial(_kernel, eps=eps, kv_blocks=kv_blocks),
+      grid=(r, n // qb),
+      in_specs=[q_spec, kv_spec, whole, whole, pl.BlockSpec((1, d), rows),
+                pl.BlockSpec((1, d), rows)],
+      out_specs=[q_spec, k_spec, k_spec],
       out_shape=[jax.ShapeDtypeStruct((r, n, d), q.dtype),
                  jax.ShapeDtypeStruct((r, kh, d), q.dtype),
                  jax.ShapeDtypeStruct((r, kh, d), q.dtype)],

@@ -17,7 +17,7 @@ Layout of the work
   online softmax in float32.
 * The last split also walks the new keys (blocks of ``block_n``) under ``new_mask``.
 * Each split writes a normalised partial output and its log-sum-exp; ``merge_splits`` (one XLA
-  reduction) combines them.
+  loop fusion, elementwise over the splits) combines them.
   With one split the kernel writes the final output directly.
 
 Grid: ``(row_blocks, num_splits, B, Hkv)``. The row-block axis varies fastest in launch order, so
