@@ -186,13 +186,14 @@ def read_trace(trace_dir: str) -> dict:
 
 def override_tree_rule(spec: str):
   """Patches tree_attention's default_config so trees (T x G > 64) use the launch parameters in
-  `spec` ("name=int,..." of block_k, num_splits, num_warps, num_stages); decode and the drafter
-  block keep the rule. Programs compiled afterwards see it."""
+  `spec` ("name=int,..." of block_t (tokens per program), block_k, num_splits, num_warps,
+  num_stages); decode and the drafter block keep the rule. Programs compiled afterwards see it."""
   ta = importlib.import_module("ddtree_jax.pallas.tree_attention")  # the module, not the function
   names = ("block_t", "block_k", "block_n", "num_splits", "num_warps", "num_stages")
   override = {k: int(v) for k, v in (kv.split("=") for kv in spec.split(",") if kv)}
-  if not set(override) <= set(names[1:]) - {"block_n"}:
-    raise ValueError(f"--tree_attention takes block_k, num_splits, num_warps, num_stages: {spec}")
+  if not set(override) <= set(names) - {"block_n"}:
+    raise ValueError("--tree_attention takes block_t, block_k, num_splits, num_warps, num_stages: "
+                     f"{spec}")
   rule = ta.default_config
 
   def patched(batch, t_len, hq, hkv, cap, head_dim, *, sm_count=None):

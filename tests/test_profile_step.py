@@ -71,14 +71,14 @@ def test_tree_rule_override_changes_trees_only():
   ta = importlib.import_module("ddtree_jax.pallas.tree_attention")
   rule = ta.default_config
   try:
-    profile_step.override_tree_rule("num_splits=3,block_k=128")
+    profile_step.override_tree_rule("num_splits=3,block_k=128,block_t=8")
     tree = ta.default_config(1, 33, 32, 8, 1057, 128, sm_count=132)
-    assert (tree[1], tree[2], tree[3]) == (128, 64, 3)  # block_k, block_n, num_splits
+    assert tree[:4] == (8, 128, 64, 3)  # block_t, block_k, block_n, num_splits
     assert ta.default_config(1, 1, 32, 8, 1057, 128, sm_count=132) == rule(
         1, 1, 32, 8, 1057, 128, sm_count=132)
   finally:
     ta.default_config = rule
-  with pytest.raises(ValueError, match="block_k, num_splits"):
+  with pytest.raises(ValueError, match="block_t, block_k, num_splits"):
     profile_step.override_tree_rule("block_n=32")
   assert ta.default_config is rule
 
