@@ -7,10 +7,19 @@ ancestor-chain trap was found, see WORKSPACE.md). Needs the CUDA plugin with its
   pip install 'jax-cuda13-plugin[with-cuda]==0.11.2' jax-cuda13-pjrt==0.11.2
   JAX_PLATFORMS=cpu python experiments/compile_offline.py --runs=ar,chain,32,256 --attention=pallas
   JAX_PLATFORMS=cpu python experiments/compile_offline.py --runs=ar,32 --tp=2 --batch=8
+  JAX_PLATFORMS=cpu python experiments/compile_offline.py --runs=32 --attention=pallas --triton \
+      --drafter_int8 --hlo_dir=/tmp/hlo --list_scope=verify
 
-Prints lower / compile seconds per decode loop (`bench_step.py`'s shapes and random-weight layout).
+Prints lower / compile seconds per decode loop (`bench_step.py`'s shapes and random-weight layout)
+and, with --hlo_dir, the top-level kernels of the loop body per stage (the named scopes of
+`decode.step`): how the twelfth session found the glue kernels that XLA would not fuse. With
+--triton the Pallas kernels are lowered to Triton, as on the GPU, instead of interpret mode.
 """
 
+import collections
+import contextlib
+import functools
+import importlib
 import os
 import re
 import time
@@ -30,7 +39,11 @@ flags.DEFINE_integer("batch", 1, "batch size")
 flags.DEFINE_integer("prefix", 1024, "committed prefix length")
 flags.DEFINE_integer("tp", 1, "tensor-parallel devices (a mesh of that many H200s when > 1)")
 flags.DEFINE_bool("drafter_int8", False, "an int8 (W8A8) drafter (drafter.quantize_int8)")
-flags.DEFINE_string("hlo_dir", "", "write each optimized HLO here and count its collectives")
+flags.DEFINE_string("hlo_dir", "", "write each optimized HLO here, count its collectives and its "
+                    "loop body's kernels per stage")
+flags.DEFINE_bool("triton", False, "lower the Pallas kernels to Triton for an abstract H200 (as on "
+                  "the GPU) instead of interpret mode; tp=1 only")
+flags.DEFINE_string("list_scope", "", "with --hlo_dir: also list the kernels of this stage in order")
 # --small and --attention (first entry) are bench_step's flags
 flags.DEFINE_string("target_config", os.path.join(os.path.dirname(__file__),
                                                   "h200_target_config.txtpb"),
@@ -38,7 +51,28 @@ flags.DEFINE_string("target_config", os.path.join(os.path.dirname(__file__),
 FLAGS = flags.FLAGS
 
 
+def compile_pallas_as_triton():
+  """Pallas kernels compiled as on the GPU (not interpret mode, the default on a CPU backend); the
+  lowering reads the GPU from the abstract H200 that `lowering_context` provides."""
+  for name in ("tree_attention", "qk_norm_rope"):
+    module = importlib.import_module(f"ddtree_jax.pallas.{name}")  # the module, not the function
+    setattr(module, name, functools.partial(getattr(module, name), interpret=False))
+
+
+def lowering_context():
+  if not FLAGS.triton:
+    return contextlib.nullcontext()
+  from jax.sharding import AbstractDevice, AbstractMesh, AxisType  # pylint: disable=import-outside-toplevel
+  dev = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+  return jax.sharding.use_abstract_mesh(
+      AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=dev))
+
+
 def main(_):
+  if FLAGS.triton:
+    if FLAGS.tp > 1:
+      raise app.UsageError("--triton lowers for one abstract H200: use --tp=1")
+    compile_pallas_as_triton()
   with open(FLAGS.target_config) as f:
     topo = get_topology_desc("h200", "cuda", target_config=f.read(),
                              topology=f"1x1x{FLAGS.tp}")
@@ -70,8 +104,9 @@ def main(_):
     if mesh is None:
       state = put(state)  # on a mesh state_shape already carries the shardings
     t0 = time.perf_counter()
-    lowered = decode.decode_loop.lower(put(tparams), put(d[0]), state, tcfg=tcfg, dcfg=d[1],
-                                       lc=lc)
+    with lowering_context():
+      lowered = decode.decode_loop.lower(put(tparams), put(d[0]), state, tcfg=tcfg, dcfg=d[1],
+                                         lc=lc)
     t1 = time.perf_counter()
     compiled = lowered.compile()
     print(f"{run:<12}{attention:>10}{FLAGS.batch:>6}{t1 - t0:>9.1f}"
@@ -83,6 +118,12 @@ def main(_):
       with open(path, "w") as f:
         f.write(hlo)
       print(f"  {path}: " + ", ".join(f"{k} {n}" for k, n in collectives(hlo).items()))
+      kernels = body_kernels(hlo)
+      counts = collections.Counter(scope for scope, _, _ in kernels)
+      print("  loop-body kernels per stage: " + ", ".join(f"{k} {n}" for k, n in counts.items()))
+      for scope, name, what in kernels:
+        if scope == FLAGS.list_scope:
+          print(f"    {name:<40}{what}")
 
 
 def collectives(hlo: str) -> dict[str, int]:
@@ -91,6 +132,30 @@ def collectives(hlo: str) -> dict[str, int]:
          "collective-permute-start", "collective-permute", "all-to-all")
   counts = {op: len(re.findall(rf"= [^=]*? {op}\(", hlo)) for op in ops}
   return {k: v for k, v in counts.items() if v}
+
+
+KERNEL_OPS = ("fusion", "custom-call", "gather", "scatter", "reduce", "sort", "convert", "copy",
+              "dynamic-update-slice", "slice", "concatenate")
+STAGES = ("draft", "tree", "verify", "accept_commit")
+
+
+def body_kernels(hlo: str) -> list[tuple[str, str, str]]:
+  """(stage, op name, "result type  op") of every top-level kernel-launching op of the decode
+  loop's body, in order: the computation with the most ops in a named stage. The stage is the
+  `decode.step` scope in the op's metadata ("other" when none)."""
+  comps = re.split(r"\n(?=\S.*\{\n)", hlo)
+  body = max(comps, key=lambda c: sum(c.count(f"/{s}/") for s in STAGES))
+  ops = "|".join(re.escape(op) for op in KERNEL_OPS)
+  out = []
+  for line in body.splitlines()[1:]:
+    m = re.match(rf"\s*(?:ROOT )?(\S+) = (\(.*?\)|\S+) ({ops})\(", line)
+    if not m:
+      continue
+    op_name = re.search(r'op_name="([^"]*)"', line)
+    op_name = op_name.group(1) if op_name else ""
+    stage = next((s for s in STAGES if f"/{s}/" in op_name), "other")
+    out.append((stage, m.group(1), f"{m.group(2)[:40]}  {op_name.rsplit('/', 1)[-1]}"))
+  return out
 
 
 if __name__ == "__main__":
