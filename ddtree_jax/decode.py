@@ -38,8 +38,8 @@ class LoopConfig:
   top_k: int | None = None
   top_p: float | None = None
   stop_ids: tuple[int, ...] = ()
-  attention: str = "xla"
-  mesh: Any = None                # jax.sharding.Mesh: state constrained, attention per shard
+  attention: str = "xla"          # "pallas": the tree attention and q/k norm + RoPE kernels
+  mesh: Any = None                # jax.sharding.Mesh: state constrained, kernels per shard
   rules: Any = None               # sharding.ShardingRules (None: the defaults)
 
   @property

@@ -321,8 +321,9 @@ def shard_attention(attn_fn: Callable, mesh: Mesh, rules: ShardingRules | None =
 def shard_qk_norm_rope(qk_fn: Callable, mesh: Mesh, rules: ShardingRules | None = None) -> Callable:
   """Wraps a q/k norm + RoPE with the `model.norm_rope` contract to run per shard in shard_map:
   q [B, T, N, D] split on N, kv [B, T, 2, K, D] on K (when the kv heads are split with the q
-  heads; else every device does all of them), cos/sin [B, T, D] on B. Per row and head, so there
-  is no communication."""
+  heads; else every device does all of them, as its k/v output is replicated too), and all of
+  them and cos/sin [B, T, D] on B over dp when it divides. Per row and head, so there is no
+  communication."""
   rules = rules or DEFAULT_RULES
 
   def wrapped(q, kv, q_norm, k_norm, cos, sin, *, eps):
@@ -332,11 +333,11 @@ def shard_qk_norm_rope(qk_fn: Callable, mesh: Mesh, rules: ShardingRules | None 
     hd = rules.heads if rules.heads in mesh.shape and hq % size(rules.heads) == 0 else None
     kv_ax = hd if hd is not None and rules.kv_heads == hd and hkv % size(hd) == 0 else None
     local = lambda *a: qk_fn(*a, eps=eps)
-    norm = None if q_norm is None else P()
+    norm = lambda w: None if w is None else P()
     q_spec, k_spec, rows = P(bt, None, hd, None), P(bt, None, kv_ax, None), P(bt, None, None)
     return jax.shard_map(local, mesh=mesh, out_specs=(q_spec, k_spec, k_spec), check_vma=False,
-                         in_specs=(q_spec, P(bt, None, None, kv_ax, None), norm,
-                                   None if k_norm is None else P(), rows, rows))(
+                         in_specs=(q_spec, P(bt, None, None, kv_ax, None), norm(q_norm),
+                                   norm(k_norm), rows, rows))(
         q, kv, q_norm, k_norm, cos, sin)
 
   return wrapped

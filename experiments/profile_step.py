@@ -64,7 +64,7 @@ FLAGS = flags.FLAGS
 KINDS = (  # first match wins; patterns over lower-cased kernel names
     ("collective", r"nccl|all-reduce|all_reduce|allreduce|all-gather|all_gather|reduce-scatter|"
                    r"collective"),
-    ("attention", r"tree_attention"),
+    ("attention", r"tree_attention"),  # qk_norm_rope (q/k norm + RoPE) counts as "other" glue
     ("top-k / sort", r"topk|top_k|sort"),
     ("matmul", r"gemm|cublas|cutlass|matmul|dot|sm90_xmma|wgmma"),
 )

@@ -446,7 +446,8 @@ def one_step(target, drafter, prompt: Sequence[int], budget: int | None, method:
   state = decode.prefill(target.params, drafter.params, jnp.asarray([list(prompt)], jnp.int32),
                          jnp.asarray([len(prompt)], jnp.int32), jax.random.key(0),
                          tcfg=target.config, dcfg=dcfg, lc=lc, capacity=capacity)
-  logits = jax.jit(lambda dp, tp, st: dcfg.draft(dp, tp, st.draft_cache, st.bonus, lc.attn_fn))(
+  logits = jax.jit(lambda dp, tp, st: dcfg.draft(dp, tp, st.draft_cache, st.bonus, lc.attn_fn,
+                                                  lc.embed_fn, lc.qk_fn))(
       drafter.params, target.params, state)
   vocab = dcfg.vocab(drafter.params)
   tree = jax.jit(lambda lg, b, v: decode.make_tree(lc, lg, b, v))(logits, state.bonus, vocab)

@@ -124,7 +124,8 @@ def test_int8_drafter_sharded_equals_unsharded(pair):
                             (p.fc, ("tp", None), ("tp",)), (p.lm_head, ("tp", None), ("tp",)),
                             (p.context_wkv, (None, None, "tp", None, None), (None, None, "tp"))):
     assert laid(w.q, *q_spec) and laid(w.scale, *s_spec), (w.shape, w.q.sharding, w.scale.sharding)
-  assert not isinstance(layer.wo, model.Int8Weight) and laid(layer.wo, "tp", None, None)  # o stays float
+  assert not isinstance(layer.wo, model.Int8Weight)  # o stays float
+  assert laid(layer.wo, "tp", None, None)
   np.testing.assert_allclose(dj.draft_logits(st, sd8, PROMPTS[0]),
                              dj.draft_logits(target, d8, PROMPTS[0]), rtol=1e-5, atol=1e-5)
   res = dj.generate(st, PROMPTS, method="ddtree", drafter=sd8, budget=16, max_new_tokens=M,

@@ -18,7 +18,7 @@ def _inputs(b, t, n, k, d, dtype, norms=True, seed=0):
   rng = np.random.default_rng(seed)
   f = lambda *shape, s=1.0: jnp.asarray(rng.standard_normal(shape) * s, dtype)
   cfg = ModelConfig(model_type="qwen3", vocab_size=8, hidden_size=n * d, intermediate_size=8,
-                    num_layers=1, num_heads=n, num_kv_heads=k, head_dim=d, rope_theta=1e6)
+                    num_layers=1, num_heads=k, num_kv_heads=k, head_dim=d, rope_theta=1e6)  # RoPE
   positions = jnp.asarray(rng.integers(0, 4096, (b, t)), jnp.int32)
   cos, sin = model.rope_tables(cfg, positions, dtype)
   norm = lambda: (1 + f(d, s=0.2)).astype(dtype) if norms else None
@@ -42,11 +42,16 @@ def test_kernel_equals_norm_rope(dtype, b, t, n, k, d):
   np.testing.assert_array_equal(got[2], args[1][:, :, 1])  # v is the projection's second half
 
 
-@pytest.mark.parametrize("case", ["no_norms", "half_dim_not_pow2"])
-def test_other_models_take_the_xla_path(case):
-  """Llama (no q/k norm) and a D/2 Triton cannot block take `model.norm_rope` as it is."""
-  args = _inputs(2, 3, 4, 2, 24 if case == "half_dim_not_pow2" else 16, jnp.float32,
-                 norms=case != "no_norms")
+@pytest.mark.parametrize("case", ["no_norms", "half_dim_not_pow2", "mixed_dtypes",
+                                  "more_kv_blocks"])
+def test_other_inputs_take_the_xla_path(case):
+  """Llama (no q/k norm), a D/2 Triton cannot block, a float32 norm with bf16 activations and
+  more kv-head blocks than q-head blocks take `model.norm_rope` as it is."""
+  n, k = (2, 6) if case == "more_kv_blocks" else (4, 2)  # 6 kv heads: 3 blocks; 2 q heads: 1
+  args = _inputs(2, 3, n, k, 24 if case == "half_dim_not_pow2" else 16,
+                 jnp.bfloat16 if case == "mixed_dtypes" else jnp.float32, norms=case != "no_norms")
+  if case == "mixed_dtypes":
+    args = (*args[:2], args[2].astype(jnp.float32), *args[3:])
   jaxpr = str(jax.make_jaxpr(functools.partial(qk_norm_rope, eps=1e-6))(*args))
   assert "pallas_call" not in jaxpr
   want = jax.jit(functools.partial(model.norm_rope, eps=1e-6))(*args)
@@ -54,16 +59,21 @@ def test_other_models_take_the_xla_path(case):
     np.testing.assert_array_equal(g, w)
 
 
-@pytest.mark.parametrize("rules", [sharding.ShardingRules(), sharding.ShardingRules(kv_heads=None)],
-                         ids=["kv_split", "kv_replicated"])
-def test_sharded_equals_unsharded(rules):
+@pytest.mark.parametrize("rules,n,k", [(sharding.ShardingRules(), 8, 4),
+                                      (sharding.ShardingRules(kv_heads=None), 16, 4),
+                                      (sharding.ShardingRules(kv_heads=None), 8, 4)],
+                         ids=["kv_split", "kv_replicated", "kv_replicated_more_than_q"])
+def test_sharded_equals_unsharded(rules, n, k):
+  """Per shard: 2 q heads with their 1 kv head; 4 q heads with all 4 kv heads (replicated); 2 q
+  heads with all 4 kv heads. The kernel runs on every shard."""
   mesh = sharding.make_mesh({"dp": 2, "tp": 4})
-  args = _inputs(2, 5, 8, 4, 32, jnp.float32)
+  args = _inputs(2, 5, n, k, 32, jnp.float32)
   kv = "tp" if rules.kv_heads else None
   specs = (P("dp", None, "tp", None), P("dp", None, None, kv, None), P(), P(), P("dp"), P("dp"))
   placed = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs)]
-  fn = sharding.shard_qk_norm_rope(qk_norm_rope, mesh, rules)
-  got = jax.jit(functools.partial(fn, eps=1e-6))(*placed)
+  fn = jax.jit(functools.partial(sharding.shard_qk_norm_rope(qk_norm_rope, mesh, rules), eps=1e-6))
+  assert "pallas_call" in str(jax.make_jaxpr(fn)(*placed))
+  got = fn(*placed)
   assert got[0].sharding.is_equivalent_to(NamedSharding(mesh, specs[0]), 4)
   for g, w in zip(got, model.norm_rope(*args, eps=1e-6)):
     np.testing.assert_allclose(g, w, rtol=2e-6, atol=2e-6)

@@ -4,7 +4,9 @@ Same contract as `model.norm_rope`. After the q and k/v projections XLA runs fiv
 per layer (the split-K sum with v's slice, k's norm, k's RoPE, q's norm, q's RoPE: RoPE's
 rotate-half concatenate keeps it out of the norm's fusion); with this kernel XLA sums the split-K
 partials (two kernels) and the rest is one launch. The math and its roundings to the activation
-dtype are those of `model.rms_norm` then `model.apply_rope`.
+dtype are those of `model.rms_norm` then `model.apply_rope`, op by op (bit for bit in bf16 against
+`model.norm_rope` run op by op, on CPU and on the H200; a fused XLA:GPU program may keep excess
+precision between ops, so it can differ from the kernel in the last bf16 bit).
 
 Grid (token rows, q-head blocks). Triton blocks are powers of two, so a block holds the largest
 power of two that divides the head count (all 32 q heads of Qwen3-8B, 8 of Qwen3-14B's 40); the
@@ -60,19 +62,23 @@ def _pow2_part(x: int) -> int:
 
 @functools.partial(jax.jit, static_argnames=("eps", "interpret"))
 def qk_norm_rope(q, kv, q_norm, k_norm, cos, sin, *, eps, interpret=None):
-  """q [B, T, N, D], kv [B, T, 2, K, D], norms [D], cos/sin [B, T, D] -> q, k [B, T, N|K, D]
-  normed and RoPE'd, v [B, T, K, D]. Models without q/k norms, or whose D/2 is not a power of
-  two, take `model.norm_rope` (XLA).
+  """q [B, T, N, D], kv [B, T, 2, K, D], norms [D], cos/sin [B, T, D], all of one dtype -> q, k
+  [B, T, N|K, D] normed and RoPE'd, v [B, T, K, D]. `model.norm_rope` (XLA) takes the rest:
+  models without q/k norms, a D/2 that is not a power of two, mixed dtypes, and head counts
+  whose kv-head blocks outnumber the q-head blocks (odd part of K > odd part of N).
 
   interpret: None = interpret mode on a CPU default backend, compiled Triton otherwise."""
   b, t, n, d = q.shape
   kh = kv.shape[3]
-  if q_norm is None or k_norm is None or d % 2 or _pow2_part(d // 2) != d // 2 or n % kh:
+  one_dtype = q_norm is not None and k_norm is not None and len(
+      {x.dtype for x in (q, kv, q_norm, k_norm, cos, sin)}) == 1
+  if (not one_dtype or d % 2 or _pow2_part(d // 2) != d // 2
+      or kh // _pow2_part(kh) > n // _pow2_part(n)):
     return model.norm_rope(q, kv, q_norm, k_norm, cos, sin, eps=eps)
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
   r, qb, kb = b * t, _pow2_part(n), _pow2_part(kh)
-  kv_blocks = kh // kb  # <= n // qb, as kh divides n
+  kv_blocks = kh // kb  # <= n // qb (checked above): the first kv_blocks programs do k and v
   last_kv = kv_blocks - 1
   rows = lambda i, j: (i, 0)
   whole = pl.BlockSpec((d,), lambda i, j: (0,))
