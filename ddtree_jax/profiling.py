@@ -1,9 +1,11 @@
-"""Measurement helpers: per-stage step times (each stage its own program) and a Python-loop
-driver over the jitted step, to price the host round trip that `lax.while_loop` avoids."""
+"""Measurement helpers: per-stage step times (each stage its own program), a Python-loop driver
+over the jitted step, to price the host round trip that `lax.while_loop` avoids, and the decode
+loop body's kernels per stage read from an optimized HLO."""
 
 from __future__ import annotations
 
 import functools
+import re
 import time
 
 import jax
@@ -103,3 +105,27 @@ def python_loop(tparams, tcfg, dparams, dcfg, lc: decode.LoopConfig, state):
 @functools.cache
 def _jitted_step(tcfg, dcfg, lc):
   return jax.jit(lambda tp, dp, st: decode.step(tp, tcfg, dp, dcfg, lc, st), donate_argnums=(2,))
+
+
+KERNEL_OPS = ("fusion", "custom-call", "gather", "scatter", "reduce", "sort", "convert", "copy",
+              "dynamic-update-slice", "slice", "concatenate")
+STAGES = ("draft", "tree", "verify", "accept_commit")
+
+
+def loop_body_kernels(hlo: str) -> list[tuple[str, str, str]]:
+  """(stage, op name, "result type  op") of every top-level kernel-launching op of the decode
+  loop's body, in order: the computation with the most ops in a named stage. The stage is the
+  `decode.step` scope in the op's metadata ("other" when none)."""
+  comps = re.split(r"\n(?=\S.*\{\n)", hlo)
+  body = max(comps, key=lambda c: sum(c.count(f"/{s}/") for s in STAGES))
+  ops = "|".join(re.escape(op) for op in KERNEL_OPS)
+  out = []
+  for line in body.splitlines()[1:]:
+    m = re.match(rf"\s*(?:ROOT )?(\S+) = (\(.*?\)|\S+) ({ops})\(", line)
+    if not m:
+      continue
+    op_name = re.search(r'op_name="([^"]*)"', line)
+    op_name = op_name.group(1) if op_name else ""
+    stage = next((s for s in STAGES if f"/{s}/" in op_name), "other")
+    out.append((stage, m.group(1), f"{m.group(2)[:40]}  {op_name.rsplit('/', 1)[-1]}"))
+  return out

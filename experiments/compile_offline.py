@@ -31,7 +31,7 @@ import jax
 from jax.experimental.topologies import get_topology_desc
 
 import bench_step
-from ddtree_jax import decode, model, sharding
+from ddtree_jax import decode, model, profiling, sharding
 from ddtree_jax import drafter as drafter_lib
 
 flags.DEFINE_string("runs", "ar,chain,32,256", "ar, chain or ddtree budgets")
@@ -118,7 +118,7 @@ def main(_):
       with open(path, "w") as f:
         f.write(hlo)
       print(f"  {path}: " + ", ".join(f"{k} {n}" for k, n in collectives(hlo).items()))
-      kernels = body_kernels(hlo)
+      kernels = profiling.loop_body_kernels(hlo)
       counts = collections.Counter(scope for scope, _, _ in kernels)
       print("  loop-body kernels per stage: " + ", ".join(f"{k} {n}" for k, n in counts.items()))
       for scope, name, what in kernels:
@@ -132,30 +132,6 @@ def collectives(hlo: str) -> dict[str, int]:
          "collective-permute-start", "collective-permute", "all-to-all")
   counts = {op: len(re.findall(rf"= [^=]*? {op}\(", hlo)) for op in ops}
   return {k: v for k, v in counts.items() if v}
-
-
-KERNEL_OPS = ("fusion", "custom-call", "gather", "scatter", "reduce", "sort", "convert", "copy",
-              "dynamic-update-slice", "slice", "concatenate")
-STAGES = ("draft", "tree", "verify", "accept_commit")
-
-
-def body_kernels(hlo: str) -> list[tuple[str, str, str]]:
-  """(stage, op name, "result type  op") of every top-level kernel-launching op of the decode
-  loop's body, in order: the computation with the most ops in a named stage. The stage is the
-  `decode.step` scope in the op's metadata ("other" when none)."""
-  comps = re.split(r"\n(?=\S.*\{\n)", hlo)
-  body = max(comps, key=lambda c: sum(c.count(f"/{s}/") for s in STAGES))
-  ops = "|".join(re.escape(op) for op in KERNEL_OPS)
-  out = []
-  for line in body.splitlines()[1:]:
-    m = re.match(rf"\s*(?:ROOT )?(\S+) = (\(.*?\)|\S+) ({ops})\(", line)
-    if not m:
-      continue
-    op_name = re.search(r'op_name="([^"]*)"', line)
-    op_name = op_name.group(1) if op_name else ""
-    stage = next((s for s in STAGES if f"/{s}/" in op_name), "other")
-    out.append((stage, m.group(1), f"{m.group(2)[:40]}  {op_name.rsplit('/', 1)[-1]}"))
-  return out
 
 
 if __name__ == "__main__":

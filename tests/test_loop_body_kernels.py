@@ -1,13 +1,10 @@
-"""compile_offline's per-stage kernel list, read from an optimized HLO (here a CPU compile)."""
-
-import os
-import sys
+"""profiling.loop_body_kernels (compile_offline's per-stage kernel list), read from an optimized
+HLO (here a CPU compile)."""
 
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "experiments"))
-import compile_offline  # noqa: E402
+from ddtree_jax import profiling
 
 
 def test_body_kernels_are_attributed_to_the_step_stages():
@@ -21,7 +18,7 @@ def test_body_kernels_are_attributed_to_the_step_stages():
 
   loop = lambda x: jax.lax.while_loop(lambda c: c[0] < 5, body, (0, x))[1]
   hlo = jax.jit(loop).lower(jnp.ones(64)).compile().as_text()
-  kernels = compile_offline.body_kernels(hlo)
+  kernels = profiling.loop_body_kernels(hlo)
   stages = [stage for stage, _, _ in kernels]
   assert "draft" in stages and "verify" in stages
   assert stages.index("draft") < stages.index("verify")  # in program order
