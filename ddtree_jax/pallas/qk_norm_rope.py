@@ -62,7 +62,8 @@ def _pow2_part(x: int) -> int:
 
 @functools.partial(jax.jit, static_argnames=("eps", "interpret"))
 def qk_norm_rope(q, kv, q_norm, k_norm, cos, sin, *, eps, interpret=None):
-  """q [B, T, N, D], kv [B, T, 2, K, D], norms [D], cos/sin [B, T, D], all of one dtype -> q, k
+  """q [B, T, N, D], kv [B, T, 2, K, D], norms [D], cos/sin [B, T, D] (`model.rope_tables`: their
+  two halves are equal, the kernel reads one), all of one dtype -> q, k
   [B, T, N|K, D] normed and RoPE'd, v [B, T, K, D]. `model.norm_rope` (XLA) takes the rest:
   models without q/k norms, a D/2 that is not a power of two, mixed dtypes, and head counts
   whose kv-head blocks outnumber the q-head blocks (odd part of K > odd part of N).
