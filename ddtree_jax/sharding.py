@@ -17,8 +17,8 @@ decode-state pytree into a matching pytree of NamedShardings. Layouts (model.py,
 Everything else is GSPMD: params and caches carry NamedShardings and jit propagates them. The
 attention runs per shard inside `jax.shard_map` (`shard_attention`), since a pallas_call cannot
 take sharded operands, and so do the Pallas q/k norm + RoPE (`shard_qk_norm_rope`) and the
-embedding lookup (`shard_embed_lookup`: a lookup in a
-vocab-split table, left to GSPMD, all-gathered the table).
+embedding lookup (`shard_embed_lookup`: a lookup in a vocab-split table, left to GSPMD,
+all-gathered the table).
 
 Indivisible dimensions: a dimension mapped to a mesh axis must divide by the axis size, else a
 ValueError names it; nothing is padded or sharded unevenly. Set that rule to None to replicate
@@ -276,6 +276,16 @@ def to_host(tree):
 # Attention under shard_map
 
 
+def _head_axes(mesh: Mesh, rules: ShardingRules, b: int, hq: int, hkv: int):
+  """The mesh axes (or None) that split the batch, the query heads and the kv heads of per-shard
+  kernels: each rule's axis where it divides, kv heads only when split with the query heads."""
+  size = lambda name: mesh.shape[name] if name in mesh.shape else 1
+  bt = rules.batch if rules.batch in mesh.shape and b % size(rules.batch) == 0 else None
+  hd = rules.heads if rules.heads in mesh.shape and hq % size(rules.heads) == 0 else None
+  kv = hd if hd is not None and rules.kv_heads == hd and hkv % size(hd) == 0 else None
+  return bt, hd, kv
+
+
 def shard_attention(attn_fn: Callable, mesh: Mesh, rules: ShardingRules | None = None) -> Callable:
   """Wraps an attention with the `attention.attend_xla` contract to run per shard in shard_map.
 
@@ -292,9 +302,7 @@ def shard_attention(attn_fn: Callable, mesh: Mesh, rules: ShardingRules | None =
     b, hq, hkv = q.shape[0], q.shape[2], k_cache.shape[-3]
     lead = (None,) * (k_cache.ndim - 4)  # the layer axis of stacked caches
     size = lambda name: mesh.shape[name] if name in mesh.shape else 1
-    bt = rules.batch if rules.batch in mesh.shape and b % size(rules.batch) == 0 else None
-    hd = rules.heads if rules.heads in mesh.shape and hq % size(rules.heads) == 0 else None
-    kv = hd if hd is not None and rules.kv_heads == hd and hkv % size(hd) == 0 else None
+    bt, hd, kv = _head_axes(mesh, rules, b, hq, hkv)
     g = hq // hkv
     n_loc = hq // size(hd) if hd else hq
     if hd is not None and kv is None and n_loc % g and g % n_loc:
@@ -327,11 +335,7 @@ def shard_qk_norm_rope(qk_fn: Callable, mesh: Mesh, rules: ShardingRules | None 
   rules = rules or DEFAULT_RULES
 
   def wrapped(q, kv, q_norm, k_norm, cos, sin, *, eps):
-    size = lambda name: mesh.shape[name] if name in mesh.shape else 1
-    b, hq, hkv = q.shape[0], q.shape[2], kv.shape[3]
-    bt = rules.batch if rules.batch in mesh.shape and b % size(rules.batch) == 0 else None
-    hd = rules.heads if rules.heads in mesh.shape and hq % size(rules.heads) == 0 else None
-    kv_ax = hd if hd is not None and rules.kv_heads == hd and hkv % size(hd) == 0 else None
+    bt, hd, kv_ax = _head_axes(mesh, rules, q.shape[0], q.shape[2], kv.shape[3])
     local = lambda *a: qk_fn(*a, eps=eps)
     norm = lambda w: None if w is None else P()
     q_spec, k_spec, rows = P(bt, None, hd, None), P(bt, None, kv_ax, None), P(bt, None, None)
