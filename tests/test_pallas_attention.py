@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from ddtree_jax.attention import attend_xla
 from ddtree_jax.pallas import tree_attention
+from ddtree_jax.pallas.tree_attention import split_blocks
 from helpers import abstract_h200_mesh, triton_custom_calls, verify_triton_ir
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated.*")
@@ -89,6 +90,35 @@ def test_small_block_k_many_blocks():
   args = _inputs(rng, 2, 3, 4, 2, 90, 64, jnp.float32, prefix_len=[90, 45])
   got = tree_attention(*args, scale=0.125, block_k=16, num_splits=2)
   _assert_close(got, _reference(*args, scale=0.125), 1e-5)
+
+
+@pytest.mark.parametrize("prefix_blocks,new_blocks", [(0, 1), (9, 1), (16, 1), (16, 2), (3, 5),
+                                                     (40, 3)])
+def test_split_blocks_cover_every_block_once(prefix_blocks, new_blocks):
+  """Each key block lands in exactly one split, and no split runs past the blocks that exist
+  (a split walking an empty block would cost the whole kernel a loop step)."""
+  for num_splits in range(1, 20):
+    seen_p, seen_n, longest = [], [], 0
+    for s in range(num_splits):
+      p_lo, p_hi, n_lo, n_hi = (int(x) for x in split_blocks(
+          jnp.int32(s), jnp.int32(prefix_blocks), new_blocks, num_splits))
+      assert 0 <= p_lo <= p_hi <= prefix_blocks and 0 <= n_lo <= n_hi <= new_blocks
+      seen_p += range(p_lo, p_hi)
+      seen_n += range(n_lo, n_hi)
+      longest = max(longest, p_hi - p_lo + n_hi - n_lo)
+    assert seen_p == list(range(prefix_blocks)) and seen_n == list(range(new_blocks))
+    assert longest == -(-(prefix_blocks + new_blocks) // num_splits)
+
+
+@pytest.mark.parametrize("splits", [2, 3, 5, 9])
+def test_new_keys_shared_between_splits(splits):
+  """The new keys' blocks are part of the split-K share: with block_k=16 a 40-token tree has 3
+  new-key blocks after 1-2 prefix blocks, so splits hold a prefix and a new block, new blocks
+  only, or nothing (9 splits)."""
+  rng = np.random.default_rng(splits)
+  args = _inputs(rng, 2, 40, 4, 1, 24, 32, jnp.float32, prefix_len=[10, 24])
+  got = tree_attention(*args, scale=32 ** -0.5, block_k=16, num_splits=splits)
+  _assert_close(got, _reference(*args, scale=32 ** -0.5), 1e-5)
 
 
 def test_causal_mask_equals_causal_attention():
@@ -240,14 +270,14 @@ def test_lowers_for_h200_other_shapes(b, t, hq, hkv, s, d, splits):
 
 
 @pytest.mark.parametrize("b,t,cap,splits", [
-    (1, 1, 1057, 9),      # AR decode at a 1K cache: chunks of one 128-key block (was 1 split, 2x slower)
+    (1, 1, 1057, 10),     # AR decode at a 1K cache: one 128-key block per split (was 1 split, 2x slower)
     (1, 16, 1280, 17),    # drafter block
     (8, 1, 1280, 3),
     (8, 16, 8448, 3),
     (64, 1, 1280, 1),
-    (1, 17, 1057, 4),     # chain verify: < 32 programs per split, chunks of 256 keys
-    (1, 33, 1057, 4),     # B=32 at 1K: 4 splits, measured in the real step (seventh session)
-    (1, 65, 1280, 2),     # B=64 at 1K: was 1 split, 2.1x slower on the H200
+    (1, 17, 1057, 6),     # B=16 at 1K: 16 programs per split, at least 3 key blocks per split
+    (1, 33, 1057, 5),     # B=32 at 1K: one wave of 5 x 24 programs, measured in the real step
+    (1, 65, 1280, 3),     # B=64 at 1K: one wave of 3 x 40 (1 split was 2.1x slower, 2 1.3x)
     (1, 129, 1280, 2),
     (1, 33, 8448, 8),     # long cache, few programs: chunks of ~1024 keys
     (1, 65, 8448, 8),
@@ -255,8 +285,8 @@ def test_lowers_for_h200_other_shapes(b, t, hq, hkv, s, d, splits):
     (8, 33, 8448, 2),
 ])
 def test_split_rule_matches_the_h200_sweep(b, t, cap, splits):
-  """Qwen3-8B heads (32 / 8, D=128) on 132 SMs: the split counts the sweep of 2026-11-30 chose
-  (WORKSPACE.md, fourth session); trees never get one split."""
+  """Qwen3-8B heads (32 / 8, D=128) on 132 SMs: the split counts the sweeps and step profiles
+  chose (WORKSPACE.md, fourth, seventh and thirteenth sessions); trees never get one split."""
   rule = sys.modules["ddtree_jax.pallas.tree_attention"].default_config  # (the module)
   assert rule(b, t, 32, 8, cap, 128, sm_count=132)[3] == splits
 

@@ -27,7 +27,8 @@ def _inputs(b, t, n, k, d, dtype, norms=True, seed=0):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("b,t,n,k,d", [(2, 5, 8, 2, 32), (1, 3, 4, 4, 128), (3, 1, 2, 1, 16),
-                                       (2, 3, 6, 2, 32), (1, 2, 40, 8, 16), (1, 2, 12, 6, 16)])
+                                       (2, 3, 6, 2, 32), (1, 2, 40, 8, 16), (1, 2, 12, 6, 16),
+                                       (2, 3, 2, 6, 16), (1, 2, 3, 3, 16)])
 def test_kernel_equals_norm_rope(dtype, b, t, n, k, d):
   """bf16: bit for bit (the kernel rounds where each XLA op does); float32: to summation order."""
   args = _inputs(b, t, n, k, d, dtype)
@@ -42,13 +43,11 @@ def test_kernel_equals_norm_rope(dtype, b, t, n, k, d):
   np.testing.assert_array_equal(got[2], args[1][:, :, 1])  # v is the projection's second half
 
 
-@pytest.mark.parametrize("case", ["no_norms", "half_dim_not_pow2", "mixed_dtypes",
-                                  "more_kv_blocks"])
+@pytest.mark.parametrize("case", ["no_norms", "half_dim_not_pow2", "mixed_dtypes"])
 def test_other_inputs_take_the_xla_path(case):
-  """Llama (no q/k norm), a D/2 Triton cannot block, a float32 norm with bf16 activations and
-  more kv-head blocks than q-head blocks take `model.norm_rope` as it is."""
-  n, k = (2, 6) if case == "more_kv_blocks" else (4, 2)  # 6 kv heads: 3 blocks; 2 q heads: 1
-  args = _inputs(2, 3, n, k, 24 if case == "half_dim_not_pow2" else 16,
+  """Llama (no q/k norm), a D/2 Triton cannot block and a float32 norm with bf16 activations
+  take `model.norm_rope` as it is."""
+  args = _inputs(2, 3, 4, 2, 24 if case == "half_dim_not_pow2" else 16,
                  jnp.bfloat16 if case == "mixed_dtypes" else jnp.float32, norms=case != "no_norms")
   if case == "mixed_dtypes":
     args = (*args[:2], args[2].astype(jnp.float32), *args[3:])
@@ -79,10 +78,11 @@ def test_sharded_equals_unsharded(rules, n, k):
     np.testing.assert_allclose(g, w, rtol=2e-6, atol=2e-6)
 
 
-@pytest.mark.parametrize("t,n,k", [(1, 32, 8), (33, 32, 8), (65, 32, 8), (65, 40, 8), (7, 6, 2)])
+@pytest.mark.parametrize("t,n,k", [(1, 32, 8), (33, 32, 8), (65, 32, 8), (65, 40, 8), (7, 6, 2),
+                                   (5, 2, 6)])
 def test_lowers_for_h200(t, n, k):
-  """Qwen3-8B / 14B heads (32 or 40 q, 8 kv, D=128) and the bundled model's (6 / 2) in bf16: one
-  Triton custom call with valid IR."""
+  """Qwen3-8B / 14B heads (32 or 40 q, 8 kv, D=128), the bundled model's (6 / 2) and a tp shard
+  with more kv than q heads (2 / 6) in bf16: one Triton custom call with valid IR."""
   sds = jax.ShapeDtypeStruct
   bf = jnp.bfloat16
   args = (sds((1, t, n, 128), bf), sds((1, t, 2, k, 128), bf), sds((128,), bf), sds((128,), bf),

@@ -3,14 +3,14 @@
 Same contract as `model.norm_rope`. After the q and k/v projections XLA runs five small kernels
 per layer (the split-K sum with v's slice, k's norm, k's RoPE, q's norm, q's RoPE: RoPE's
 rotate-half concatenate keeps it out of the norm's fusion); with this kernel XLA sums the split-K
-partials (two kernels) and the rest is one launch. The math and its roundings to the activation
+partials into one [N + 2K] head array (one kernel) and the rest is one launch. The math and its roundings to the activation
 dtype are those of `model.rms_norm` then `model.apply_rope`, op by op (bit for bit in bf16 against
 `model.norm_rope` run op by op, on CPU and on the H200; a fused XLA:GPU program may keep excess
 precision between ops, so it can differ from the kernel in the last bf16 bit).
 
-Grid (token rows, q-head blocks). Triton blocks are powers of two, so a block holds the largest
+Grid (token rows, head blocks). Triton blocks are powers of two, so a q block holds the largest
 power of two that divides the head count (all 32 q heads of Qwen3-8B, 8 of Qwen3-14B's 40); the
-first kv-head blocks' programs also do k and v.
+first programs of a row also do a block of k and v heads.
 """
 
 from __future__ import annotations
@@ -36,24 +36,28 @@ def _norm_rope(x1, x2, w1, w2, c, s, eps, dt):
   return rnd(y1 * c) - rnd(y2 * s), rnd(y2 * c) + rnd(y1 * s)
 
 
-def _kernel(q_ref, kv_ref, qn_ref, kn_ref, cos_ref, sin_ref, qo_ref, ko_ref, vo_ref, *, eps,
-            kv_blocks):
+def _kernel(q_ref, k_ref, v_ref, qn_ref, kn_ref, cos_ref, sin_ref, qo_ref, ko_ref, vo_ref, *, eps,
+            q_blocks, kv_blocks):
   half = q_ref.shape[-1] // 2
   dt = qo_ref.dtype
   c = cos_ref[0, :half].astype(jnp.float32)[None]  # the tables are [f, f]: one half serves both
   s = sin_ref[0, :half].astype(jnp.float32)[None]
+  j = pl.program_id(1)
 
-  def head_block(x1, x2, w_ref, o_ref):
-    o1, o2 = _norm_rope(x1, x2, w_ref[:half], w_ref[half:], c, s, eps, dt)
+  def head_block(x_ref, w_ref, o_ref):
+    o1, o2 = _norm_rope(x_ref[0, :, :half], x_ref[0, :, half:], w_ref[:half], w_ref[half:], c, s,
+                        eps, dt)
     o_ref[0, :, :half] = o1.astype(dt)
     o_ref[0, :, half:] = o2.astype(dt)
 
-  head_block(q_ref[0, :, :half], q_ref[0, :, half:], qn_ref, qo_ref)
-
-  @pl.when(pl.program_id(1) < kv_blocks)
+  @pl.when(j < q_blocks)
   def _():
-    head_block(kv_ref[0, 0, :, :half], kv_ref[0, 0, :, half:], kn_ref, ko_ref)
-    vo_ref[0] = kv_ref[0, 1]
+    head_block(q_ref, qn_ref, qo_ref)
+
+  @pl.when(j < kv_blocks)
+  def _():
+    head_block(k_ref, kn_ref, ko_ref)
+    vo_ref[0] = v_ref[0]
 
 
 def _pow2_part(x: int) -> int:
@@ -65,38 +69,38 @@ def qk_norm_rope(q, kv, q_norm, k_norm, cos, sin, *, eps, interpret=None):
   """q [B, T, N, D], kv [B, T, 2, K, D], norms [D], cos/sin [B, T, D] (`model.rope_tables`: their
   two halves are equal, the kernel reads one), all of one dtype -> q, k
   [B, T, N|K, D] normed and RoPE'd, v [B, T, K, D]. `model.norm_rope` (XLA) takes the rest:
-  models without q/k norms, a D/2 that is not a power of two, mixed dtypes, and head counts
-  whose kv-head blocks outnumber the q-head blocks (odd part of K > odd part of N).
+  models without q/k norms, a D/2 that is not a power of two and mixed dtypes.
 
   interpret: None = interpret mode on a CPU default backend, compiled Triton otherwise."""
   b, t, n, d = q.shape
   kh = kv.shape[3]
   one_dtype = q_norm is not None and k_norm is not None and len(
       {x.dtype for x in (q, kv, q_norm, k_norm, cos, sin)}) == 1
-  if (not one_dtype or d % 2 or _pow2_part(d // 2) != d // 2
-      or kh // _pow2_part(kh) > n // _pow2_part(n)):
+  if not one_dtype or d % 2 or _pow2_part(d // 2) != d // 2:
     return model.norm_rope(q, kv, q_norm, k_norm, cos, sin, eps=eps)
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
-  r, qb, kb = b * t, _pow2_part(n), _pow2_part(kh)
-  kv_blocks = kh // kb  # <= n // qb (checked above): the first kv_blocks programs do k and v
-  last_kv = kv_blocks - 1
-  rows = lambda i, j: (i, 0)
+  # q, k and v are three views of one [R, N + 2K, D] operand: XLA sums the split-K partials of
+  # the q and k/v projections (one GEMM after its dot merger) in one kernel, not two. A k/v block
+  # of kb heads starts at a multiple of kb, so kb divides N as well as K.
+  r, qb = b * t, _pow2_part(n)
+  kb = min(qb, _pow2_part(kh))
+  q_blocks, kv_blocks = n // qb, kh // kb
+  qkv = jnp.concatenate([q.reshape(r, n, d), kv.reshape(r, 2 * kh, d)], axis=1)
+  clamp = lambda j, blocks: jnp.minimum(j, blocks - 1)  # programs past the last block skip it
+  q_spec = pl.BlockSpec((1, qb, d), lambda i, j: (i, clamp(j, q_blocks), 0))
+  kv_view = lambda first: pl.BlockSpec((1, kb, d), lambda i, j: (i, first + clamp(j, kv_blocks), 0))
   whole = pl.BlockSpec((d,), lambda i, j: (0,))
-  q_spec = pl.BlockSpec((1, qb, d), lambda i, j: (i, j, 0))
-  kv_spec = pl.BlockSpec((1, 2, kb, d), lambda i, j: (i, 0, jnp.minimum(j, last_kv), 0))
-  k_spec = pl.BlockSpec((1, kb, d), lambda i, j: (i, jnp.minimum(j, last_kv), 0))
+  rows = pl.BlockSpec((1, d), lambda i, j: (i, 0))
   qo, ko, vo = pl.pallas_call(
-      functools.partial(_kernel, eps=eps, kv_blocks=kv_blocks),
-      grid=(r, n // qb),
-      in_specs=[q_spec, kv_spec, whole, whole, pl.BlockSpec((1, d), rows),
-                pl.BlockSpec((1, d), rows)],
-      out_specs=[q_spec, k_spec, k_spec],
+      functools.partial(_kernel, eps=eps, q_blocks=q_blocks, kv_blocks=kv_blocks),
+      grid=(r, max(q_blocks, kv_blocks)),
+      in_specs=[q_spec, kv_view(n // kb), kv_view((n + kh) // kb), whole, whole, rows, rows],
+      out_specs=[q_spec, kv_view(0), kv_view(0)],
       out_shape=[jax.ShapeDtypeStruct((r, n, d), q.dtype),
                  jax.ShapeDtypeStruct((r, kh, d), q.dtype),
                  jax.ShapeDtypeStruct((r, kh, d), q.dtype)],
       interpret=interpret,
       name="qk_norm_rope",
-  )(q.reshape(r, n, d), kv.reshape(r, 2, kh, d), q_norm, k_norm, cos.reshape(r, d),
-    sin.reshape(r, d))
+  )(qkv, qkv, qkv, q_norm, k_norm, cos.reshape(r, d), sin.reshape(r, d))
   return qo.reshape(b, t, n, d), ko.reshape(b, t, kh, d), vo.reshape(b, t, kh, d)

@@ -11,11 +11,11 @@ Layout of the work
   ``t * Gp + g``; ``Gp`` = G rounded up to a power of two), so the prefix K/V of ``h`` is read once
   for all of them. The flash-decoding trick: queries of one sequence share the prefix, so the
   ``[T, prefix]`` mask is never materialised; the prefix is masked by ``prefix_len`` alone.
-* The prefix is cut into ``num_splits`` equal chunks (split-K) *of the valid prefix*, so a short
-  prefix in a large cache costs little and a long prefix is spread over many SMs. Each split walks
-  its chunk in blocks of ``block_k`` keys (a loop whose trip count depends on ``prefix_len``) with an
-  online softmax in float32.
-* The last split also walks the new keys (blocks of ``block_n``) under ``new_mask``.
+* The keys are cut into ``num_splits`` equal runs of blocks (split-K): the valid prefix's blocks of
+  ``block_k`` keys, then the new keys' blocks of ``block_n`` (under ``new_mask``). So a short prefix
+  in a large cache costs little, a long prefix is spread over many SMs, and the new keys are one
+  more share of the work rather than extra work for one split. Each split walks its blocks (loops
+  whose trip counts depend on ``prefix_len``) with an online softmax in float32.
 * Each split writes a normalised partial output and its log-sum-exp; ``merge_splits`` (one XLA
   loop fusion, elementwise over the splits) combines them.
   With one split the kernel writes the final output directly.
@@ -57,6 +57,19 @@ def _and(*masks):
 def _cdiv(a, b: int):
   """Ceil division of a non-negative traced int32 by a static positive int."""
   return lax.div(a + (b - 1), jnp.int32(b))
+
+
+def split_blocks(split, prefix_blocks, new_blocks, num_splits):
+  """Split `split`'s share of the key blocks: the prefix's blocks [0, P) then the new keys' [0, N),
+  counted as one run [0, P + N) cut into num_splits equal parts (the last ones may be short or
+  empty). Returns (prefix_lo, prefix_hi, new_lo, new_hi), each range possibly empty."""
+  total = prefix_blocks + new_blocks
+  per_split = _cdiv(total, num_splits)
+  lo = jnp.minimum(split * per_split, total)
+  hi = jnp.minimum(lo + per_split, total)
+  return (jnp.minimum(lo, prefix_blocks), jnp.minimum(hi, prefix_blocks),
+          jnp.maximum(lo, prefix_blocks) - prefix_blocks,
+          jnp.maximum(hi, prefix_blocks) - prefix_blocks)
 
 
 def _online_softmax_step(carry, scores, v, visible=None):
@@ -108,18 +121,16 @@ def _kernel(plen_ref, layer_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, mask_ref, 
   carry = (jnp.full((rows,), NEG_INF, jnp.float32), jnp.zeros((rows,), jnp.float32),
            jnp.zeros((rows, dp), jnp.float32))
 
-  # ---- cached prefix: this split's chunk of [0, prefix_len) ----
+  # ---- this split's share of the key blocks ----
   plen = jnp.clip(plen_ref[()], 0, cap)
-  chunk = _cdiv(_cdiv(plen, num_splits), block_k) * block_k      # multiple of block_k
-  lo = split * chunk
-  hi = jnp.minimum(lo + chunk, plen)
-  n_blocks = _cdiv(jnp.maximum(hi - lo, 0), block_k)
+  prefix_lo, prefix_hi, new_lo, new_hi = split_blocks(split, _cdiv(plen, block_k),
+                                                      pl.cdiv(t_len, block_n), num_splits)
 
   def prefix_block(i, carry):
     # (One loop with masked loads everywhere measured faster on an H200 than an unmasked loop over
     # the full blocks plus a masked tail.)
-    start = lo + i * block_k
-    key_ok = (start + jnp.arange(block_k)) < hi                   # [block_k]
+    start = i * block_k
+    key_ok = (start + jnp.arange(block_k)) < plen                 # [block_k]
     kv_mask = _and(key_ok[:, None], d_ok2)
     k = plgpu.load(prefix_rows(k_ref, start), mask=kv_mask, other=0)
     v = plgpu.load(prefix_rows(v_ref, start), mask=kv_mask, other=0)
@@ -128,12 +139,7 @@ def _kernel(plen_ref, layer_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, mask_ref, 
     # masked keys get exp2(NEG_INF - m) = 0: no explicit zeroing needed here.
     return _online_softmax_step(carry, scores, v)
 
-  carry = lax.fori_loop(0, n_blocks, prefix_block, carry)
-
-  # ---- new tokens (only the last split): keys [0, T) under new_mask ----
-  # (Arithmetic, not jnp.where: the Triton select lowering mistypes scalar literal operands.)
-  is_last = lax.convert_element_type(split == num_splits - 1, jnp.int32)
-  n_new = is_last * pl.cdiv(t_len, block_n)
+  carry = lax.fori_loop(prefix_lo, prefix_hi, prefix_block, carry)
 
   def new_block(j, carry):
     start = j * block_n
@@ -147,7 +153,7 @@ def _kernel(plen_ref, layer_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, mask_ref, 
     scores = jnp.where(vis, _qk(q, k, scale), NEG_INF)
     return _online_softmax_step(carry, scores, v, visible=vis)
 
-  m, l, acc = lax.fori_loop(0, n_new, new_block, carry)
+  m, l, acc = lax.fori_loop(new_lo, new_hi, new_block, carry)
 
   # ---- write this split's normalised output (and its log-sum-exp) ----
   has_keys = l > 0.0                                              # False for fully masked rows
@@ -180,27 +186,23 @@ def default_config(batch, t_len, hq, hkv, cap, head_dim, *, sm_count=None):
   block_n = min(block_k, max(16, _next_pow2(t_len)))
   row_blocks = pl.cdiv(t_len, block_t)
   base = row_blocks * batch * hkv
-  # Split-K factor, fitted to H200 measurements (experiments/sweep_attention.py). Few query rows
-  # (decode, drafter block: memory-bound) want about one wave of programs, down to chunks of one
-  # key block: at a 1K prefix the old minimum of 8 blocks per chunk (1 split at batch 1) was
-  # 1.3-2.1x slower than the best setting.
-  # Trees (experiments/sweep_attention.py, 2026-11-30) never want one split (the last split also
-  # walks the tree's own keys; two balance that: 1.1-2.1x faster); two once a split has >= 128
-  # programs; fewer programs want about 1.2 waves or, in long caches, chunks of about 1024 keys,
-  # whichever splits more, but chunks of at least 512 keys (a second sweep: at a 1K prefix
-  # 4-5 splits were 1.2x slower than 2; cells within 20 % are run-to-run noise there) or, for
-  # trees of < 32 programs per split, 256 keys: measured inside the real B=32 step at a 1K prefix
-  # (kernel time summed over a traced loop, which is stable where the standalone sweep is not),
-  # 4 splits took the 36 layers' kernels from 477 to 327 us and the step from 6.687 to 6.630 ms
-  # with the bigger merge; at B=64 (40 programs) 4 splits were 0.02 ms slower (WORKSPACE.md,
-  # seventh session).
+  # Split-K factor, fitted to H200 measurements (experiments/sweep_attention.py, profile_step.py).
+  # The new keys' blocks count as split work (`split_blocks`). Few query rows (decode, drafter
+  # block: memory-bound) want about one wave of programs, down to one key block per split: at a
+  # 1K prefix the old minimum of 8 blocks per split (1 split at batch 1) was 1.3-2.1x slower.
+  # Trees never want one split; two once a split has >= 128 programs; fewer programs want one
+  # full wave (a partial second wave cost B=32 and B=64 at a 1K prefix 80 us per step) or, in
+  # long caches, chunks of about 1024 keys, whichever splits more, but at least 3 key blocks per
+  # split. Inside the real step at a 1K prefix that is 5 splits for B=32 (36 layers' kernels
+  # 313 -> 286 us against 4) and 3 for B=64 (523 -> 396 us against 2) (WORKSPACE.md,
+  # thirteenth session).
+  key_blocks = pl.cdiv(cap, block_k) + pl.cdiv(t_len, block_n)
   if t_len * g <= 64:
-    num_splits = max(1, min(pl.cdiv(sm, base), pl.cdiv(cap, block_k), 64))
+    num_splits = max(1, min(pl.cdiv(sm, base), key_blocks, 64))
   elif base >= 128:
     num_splits = 2
   else:
-    min_chunk = 256 if base < 32 else 512
-    num_splits = max(2, min(max(pl.cdiv(6 * sm // 5, base), cap // 1024), cap // min_chunk, 64))
+    num_splits = max(2, min(max(sm // base, cap // 1024), key_blocks // 3, 64))
   num_warps = 4 if rows <= 64 else 8
   num_stages = 2 if block_k * head_dim >= 128 * 128 else 3
   return block_t, block_k, block_n, num_splits, num_warps, num_stages
@@ -342,4 +344,5 @@ def attention_config(q_shape, cache_shape, *, sm_count=None):
                                         sm_count=sm_count or _device_sm_count())))
 
 
-__all__ = ["tree_attention", "attention_config", "default_config", "merge_splits", "NEG_INF"]
+__all__ = ["tree_attention", "attention_config", "default_config", "merge_splits", "split_blocks",
+           "NEG_INF"]
