@@ -233,7 +233,7 @@ def tree_attention(q, k_cache, v_cache, prefix_len, k_new, v_new, new_mask, *, s
     layer: static layer index into 5-D caches (None: 4-D caches).
     interpret: None = interpret mode on a CPU default backend, compiled Triton otherwise.
     block_k: prefix keys per loop step (power of two >= 16); default by shape.
-    num_splits: split-K factor over the prefix; default fills ~2 programs per SM.
+    num_splits: split-K factor over the key blocks (prefix and new); default by shape.
     block_rows: query rows (tokens x padded GQA group) per program, power of two >= 16.
     num_warps, num_stages: Triton launch parameters.
   Returns:
