@@ -270,14 +270,14 @@ def test_lowers_for_h200_other_shapes(b, t, hq, hkv, s, d, splits):
 
 
 @pytest.mark.parametrize("b,t,cap,splits", [
-    (1, 1, 1057, 10),     # AR decode at a 1K cache: one 128-key block per split (was 1 split, 2x slower)
+    (1, 1, 1057, 10),     # AR at a 1K cache: one 128-key block per split (1 split: 2x slower)
     (1, 16, 1280, 17),    # drafter block
     (8, 1, 1280, 3),
     (8, 16, 8448, 3),
     (64, 1, 1280, 1),
-    (1, 17, 1057, 6),     # B=16 at 1K: 16 programs per split, at least 3 key blocks per split
+    (1, 17, 1057, 6),     # B=16 at 1K: 3 key blocks per split caps one wave (8); not A/B'd
     (1, 33, 1057, 5),     # B=32 at 1K: one wave of 5 x 24 programs, measured in the real step
-    (1, 65, 1280, 3),     # B=64 at 1K: one wave of 3 x 40 (1 split was 2.1x slower, 2 1.3x)
+    (1, 65, 1280, 3),     # B=64 at 1K: one wave of 3 x 40 (1 split 2.1x slower, 2 splits 1.3x)
     (1, 129, 1280, 2),
     (1, 33, 8448, 8),     # long cache, few programs: chunks of ~1024 keys
     (1, 65, 8448, 8),

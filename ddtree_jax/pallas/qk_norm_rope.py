@@ -3,10 +3,11 @@
 Same contract as `model.norm_rope`. After the q and k/v projections XLA runs five small kernels
 per layer (the split-K sum with v's slice, k's norm, k's RoPE, q's norm, q's RoPE: RoPE's
 rotate-half concatenate keeps it out of the norm's fusion); with this kernel XLA sums the split-K
-partials into one [N + 2K] head array (one kernel) and the rest is one launch. The math and its roundings to the activation
-dtype are those of `model.rms_norm` then `model.apply_rope`, op by op (bit for bit in bf16 against
-`model.norm_rope` run op by op, on CPU and on the H200; a fused XLA:GPU program may keep excess
-precision between ops, so it can differ from the kernel in the last bf16 bit).
+partials into one [N + 2K] head array (one kernel) and the rest is one launch. The math and its
+roundings to the activation dtype are those of `model.rms_norm` then `model.apply_rope`, op by op
+(bit for bit in bf16 against `model.norm_rope` run op by op, on CPU and on the H200; a fused
+XLA:GPU program may keep excess precision between ops, so it can differ from the kernel in the
+last bf16 bit).
 
 Grid (token rows, head blocks). Triton blocks are powers of two, so a q block holds the largest
 power of two that divides the head count (all 32 q heads of Qwen3-8B, 8 of Qwen3-14B's 40); the
