@@ -60,6 +60,17 @@ class LoopConfig:
                                                                               self.mesh, self.rules)
 
   @property
+  def res_fn(self):
+    """The target's residual add + RMSNorm after o and down: with Pallas attention and no mesh,
+    an explicit split-K GEMM and one Pallas kernel for the partials' sum, the add and the norm
+    (16-128 rows). On a mesh the row-parallel o and down weights are split over the contracted
+    dim: left to XLA. The drafter keeps XLA's form (its down is int8 in the int8 drafter)."""
+    if self.attention != "pallas" or self.mesh is not None:
+      return model.residual_norm
+    from ddtree_jax.pallas.add_rms_norm import residual_norm  # pylint: disable=import-outside-toplevel
+    return residual_norm
+
+  @property
   def embed_fn(self):
     return model.embed_lookup if self.mesh is None else sharding.shard_embed_lookup(self.mesh,
                                                                                     self.rules)
@@ -147,7 +158,7 @@ def verify_and_pick(tparams, tcfg, dcfg, lc: LoopConfig, state: DecodeState, tre
   taps_at = () if dcfg is None else dcfg.target_layer_ids
   logits, new_k, new_v, taps = verify.verify_tree(tparams, tcfg, state.cache, tree.tokens,
                                                   tree.depths, tree.visibility, taps_at,
-                                                  lc.attn_fn, lc.embed_fn, lc.qk_fn)
+                                                  lc.attn_fn, lc.embed_fn, lc.qk_fn, lc.res_fn)
   return verify.pick(logits, lc.temperature, key, lc.top_k, lc.top_p), new_k, new_v, taps
 
 
@@ -184,7 +195,7 @@ def prefill(tparams, dparams, tokens, lens, key, *, tcfg, dcfg, lc: LoopConfig, 
   taps_at = () if dcfg is None else dcfg.target_layer_ids
   hidden, new_k, new_v, taps = model.forward(tparams, tcfg, tokens, positions, cache,
                                              model.causal_mask(lens, t), taps_at, lc.attn_fn,
-                                             lc.embed_fn, lc.qk_fn)
+                                             lc.embed_fn, lc.qk_fn, lc.res_fn)
   cache = model.commit(cache, new_k, new_v, positions, lens)
   draft_cache = None
   if dcfg is not None:

@@ -109,11 +109,9 @@ def draft_logits(params: DrafterParams, cfg: DrafterConfig, target_params: model
   positions = cache.lens[:, None] + jnp.arange(bs, dtype=jnp.int32)[None]
   cos, sin = model.rope_tables(lc, positions, x.dtype)
   full = jnp.ones((b, bs, bs), bool)
-  for i, layer in enumerate(params.layers):
-    x, _, _ = model.attention_block(layer, lc, x, cos, sin, cache.k, cache.v, cache.lens,
-                                    full, attn_fn, cache_layer=i, qk_fn=qk_fn)
-    x = model.mlp_block(layer, lc, x)
-  hidden = model.rms_norm(x[:, 1:], params.final_norm, lc.rms_norm_eps)
+  hidden, _, _, _ = model.decoder_stack(params.layers, lc, x, params.final_norm, cos, sin, cache.k,
+                                        cache.v, cache.lens, full, attn_fn, qk_fn)
+  hidden = hidden[:, 1:]
   if params.lm_head is not None:
     return model.dense("bjh,hv->bjv", hidden, params.lm_head, jnp.float32)
   return model.lm_head(target_params, hidden.astype(target_params.embed.dtype))

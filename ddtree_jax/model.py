@@ -200,27 +200,57 @@ def kv_rows(layer: LayerParams, cfg: ModelConfig, kv, cos, sin):
   return apply_rope(k, cos, sin), v
 
 
-def attention_block(layer, cfg, x, cos, sin, k_cache, v_cache, prefix_len, new_mask, attn_fn,
-                    cache_layer=None, qk_fn=None):
-  """Residual attention sub-block; also returns the new rows' k, v [B, T, K, D].
+def residual_norm(x, spec, a, w, norm, *, eps):
+  """The residual add after the o / down projection, then the next RMSNorm: x [B, T, H] +
+  dense(spec, a, w) -> (x', rms_norm(x', norm)). `pallas.residual_norm` has the same contract
+  (the GEMM's split-K sum, the add and the norm in one kernel)."""
+  x = x + dense(spec, a, w)
+  return x, rms_norm(x, norm, eps)
+
+
+def attention_block(layer, cfg, x, h, cos, sin, k_cache, v_cache, prefix_len, new_mask, attn_fn,
+                    cache_layer=None, qk_fn=None, res_fn=None):
+  """Residual attention sub-block over x with h = its input RMSNorm. Returns x', the MLP's input
+  norm of x' and the new rows' k, v [B, T, K, D].
 
   k_cache/v_cache: [B, K, S, D], or a KVCache's [L, B, K, S, D] with cache_layer the layer."""
-  h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
   q, k, v = project_qkv(layer, cfg, h, cos, sin, qk_fn)
   kw = {} if cache_layer is None else {"layer": cache_layer}
   o = attn_fn(q, k_cache, v_cache, prefix_len, k, v, new_mask, scale=cfg.head_dim ** -0.5, **kw)
-  return x + output_projection(layer, o), k, v
+  x, h = (res_fn or residual_norm)(x, "btnd,ndh->bth", o, layer.wo, layer.post_norm,
+                                   eps=cfg.rms_norm_eps)
+  return x, h, k, v
 
 
-def output_projection(layer: LayerParams, o):
-  """Attention output o [B, T, N, D] -> [B, T, H]."""
-  return dense("btnd,ndh->bth", o, layer.wo)
-
-
-def mlp_block(layer, cfg, x):
-  h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
+def mlp_block(layer, cfg, x, h, next_norm, res_fn=None):
+  """Residual MLP sub-block over x with h = its RMSNorm -> (x', x' normed with next_norm)."""
   gu = dense("bth,hsi->btsi", h, layer.w_gate_up)
-  return x + dense("bti,ih->bth", jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1], layer.w_down)
+  return (res_fn or residual_norm)(x, "bti,ih->bth", jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1],
+                                   layer.w_down, next_norm, eps=cfg.rms_norm_eps)
+
+
+def decoder_stack(layers, cfg, x, final_norm, cos, sin, k_cache, v_cache, prefix_len, new_mask,
+                  attn_fn, qk_fn=None, res_fn=None, tap_layers=()):
+  """The decoder layers over x [B, T, H], each RMSNorm computed with the add before it.
+
+  k_cache/v_cache: stacked [L, B, K, S, D] (a KVCache's) or lists of per-layer [B, K, S, D].
+  Returns hidden [B, T, H] after final_norm, new_k/new_v per layer [B, T, K, D], and
+  {layer id: residual output [B, T, H]} for tap_layers."""
+  stacked = not isinstance(k_cache, (list, tuple))
+  h = rms_norm(x, layers[0].input_norm, cfg.rms_norm_eps)
+  new_k, new_v, taps = [], [], {}
+  for i, layer in enumerate(layers):
+    kc, vc = (k_cache, v_cache) if stacked else (k_cache[i], v_cache[i])
+    x, h, k, v = attention_block(layer, cfg, x, h, cos, sin, kc, vc, prefix_len, new_mask,
+                                 attn_fn, cache_layer=i if stacked else None, qk_fn=qk_fn,
+                                 res_fn=res_fn)
+    nxt = layers[i + 1].input_norm if i + 1 < len(layers) else final_norm
+    x, h = mlp_block(layer, cfg, x, h, nxt, res_fn)
+    new_k.append(k)
+    new_v.append(v)
+    if i in tap_layers:
+      taps[i] = x
+  return h, new_k, new_v, taps
 
 
 def embed_lookup(table, tokens):
@@ -231,30 +261,25 @@ def embed_lookup(table, tokens):
 
 def forward(params: Params, cfg: ModelConfig, tokens, positions, cache: KVCache, new_mask,
             tap_layers: tuple[int, ...] = (), attn_fn: Callable = attend_xla,
-            embed_fn: Callable = embed_lookup, qk_fn: Callable | None = None):
+            embed_fn: Callable = embed_lookup, qk_fn: Callable | None = None,
+            res_fn: Callable | None = None):
   """Target forward of new tokens over the cached prefix (the cache is not modified).
 
   Args:
     tokens, positions: [B, T] int32. new_mask: [B, T, T] bool visibility among the new tokens.
     tap_layers: layer ids whose residual outputs are returned (HF hidden_states[id + 1]).
-    attn_fn, embed_fn, qk_fn: the attention, the embedding lookup and the q/k norm + RoPE
-      (`norm_rope` when None); per-shard versions on a mesh.
+    attn_fn, embed_fn, qk_fn, res_fn: the attention, the embedding lookup, the q/k norm + RoPE
+      (`norm_rope` when None) and the residual add + RMSNorm after o and down (`residual_norm`
+      when None); per-shard versions on a mesh.
   Returns:
     hidden [B, T, H] after the final norm; new_k, new_v: per layer [B, T, K, D];
     taps [B, T, len(tap_layers) * H] (concatenated in tap_layers order) or None.
   """
   x = embed_fn(params.embed, tokens)
   cos, sin = rope_tables(cfg, positions, x.dtype)
-  new_k, new_v, taps = [], [], {}
-  for i, layer in enumerate(params.layers):
-    x, k, v = attention_block(layer, cfg, x, cos, sin, cache.k, cache.v, cache.lens,
-                              new_mask, attn_fn, cache_layer=i, qk_fn=qk_fn)
-    x = mlp_block(layer, cfg, x)
-    new_k.append(k)
-    new_v.append(v)
-    if i in tap_layers:
-      taps[i] = x
-  hidden = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
+  hidden, new_k, new_v, taps = decoder_stack(params.layers, cfg, x, params.final_norm, cos, sin,
+                                             cache.k, cache.v, cache.lens, new_mask, attn_fn,
+                                             qk_fn, res_fn, tap_layers)
   tapped = jnp.concatenate([taps[i] for i in tap_layers], axis=-1) if tap_layers else None
   return hidden, new_k, new_v, tapped
 

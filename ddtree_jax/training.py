@@ -133,10 +133,9 @@ def drafter_block_logits(dparams: drafter_lib.DrafterParams, dcfg: drafter_lib.D
   positions = (anchors[..., None] + jnp.arange(bs, dtype=jnp.int32)).reshape(b, a * bs)
   cos, sin = model.rope_tables(lc, positions, x.dtype)
   attn = functools.partial(block_attention, block_size=bs)
-  for i, layer in enumerate(dparams.layers):
-    x, _, _ = model.attention_block(layer, lc, x, cos, sin, ck[i], cv[i], anchors, None, attn)
-    x = model.mlp_block(layer, lc, x)
-  hidden = model.rms_norm(x.reshape(b, a, bs, -1)[:, :, 1:], dparams.final_norm, lc.rms_norm_eps)
+  hidden, _, _, _ = model.decoder_stack(dparams.layers, lc, x, dparams.final_norm, cos, sin, ck, cv,
+                                        anchors, None, attn)
+  hidden = hidden.reshape(b, a, bs, -1)[:, :, 1:]
   return model.lm_head(tparams, hidden.astype(tparams.embed.dtype))
 
 

@@ -199,9 +199,11 @@ def model_layer_step(x, layer, cos, sin, *, cfg, form):
     kv = jnp.einsum("bth,hskd->sbtkd", h, layer.wkv)
     q, k, v = model.apply_rope(q, cos, sin), kv[0], kv[1]
     k = model.apply_rope(model.rms_norm(k, layer.k_norm, eps), cos, sin)
-  x = x + model.output_projection(layer, q + jnp.repeat(k + v, q.shape[2] // k.shape[2], axis=2))
+  o = q + jnp.repeat(k + v, q.shape[2] // k.shape[2], axis=2)
   if form == "model":
-    return model.mlp_block(layer, cfg, x)
+    x, h = model.residual_norm(x, "btnd,ndh->bth", o, layer.wo, layer.post_norm, eps=eps)
+    return model.mlp_block(layer, cfg, x, h, layer.input_norm)[0]
+  x = x + jnp.einsum("btnd,ndh->bth", o, layer.wo)
   gu = jnp.einsum("bth,hsi->sbti", model.rms_norm(x, layer.post_norm, eps), layer.w_gate_up)
   return x + jnp.einsum("bti,ih->bth", jax.nn.silu(gu[0]) * gu[1], layer.w_down)
 

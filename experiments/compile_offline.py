@@ -54,8 +54,9 @@ FLAGS = flags.FLAGS
 def compile_pallas_as_triton():
   """Pallas kernels compiled as on the GPU (not interpret mode, the default on a CPU backend); the
   lowering reads the GPU from the abstract H200 that `lowering_context` provides."""
-  for name in ("tree_attention", "qk_norm_rope"):
-    module = importlib.import_module(f"ddtree_jax.pallas.{name}")  # the module, not the function
+  for mod, name in (("tree_attention", "tree_attention"), ("qk_norm_rope", "qk_norm_rope"),
+                    ("add_rms_norm", "residual_norm")):
+    module = importlib.import_module(f"ddtree_jax.pallas.{mod}")  # the module, not the function
     setattr(module, name, functools.partial(getattr(module, name), interpret=False))
 
 

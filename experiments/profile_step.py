@@ -58,6 +58,10 @@ flags.DEFINE_bool("command_buffers", False, "keep XLA's CUDA graphs (their kerne
 flags.DEFINE_string("tree_attention", "",
                     "override the Pallas launch rule for trees (T x G > 64), e.g. "
                     "'num_splits=4,block_k=128': an A/B of the rule inside the real step")
+flags.DEFINE_string("residual", "",
+                    "override the residual add + RMSNorm kernel's rule for 16+ rows: split-K "
+                    "count per contracted dim and warps, e.g. '4096=2,12288=4,num_warps=8' "
+                    "(0 = XLA's form)")
 # --small, --steps, --attention (first entry) and --mesh_* are bench_step's flags
 FLAGS = flags.FLAGS
 
@@ -206,10 +210,23 @@ def override_tree_rule(spec: str):
   ta.default_config = patched
 
 
+def override_residual_rule(spec: str):
+  """Patches pallas.add_rms_norm's split rule ("contracted=splits,...", for 16+ rows; other
+  contracted sizes keep the rule) and its warps per program ("num_warps=n")."""
+  arn = importlib.import_module("ddtree_jax.pallas.add_rms_norm")
+  override = {k: int(v) for k, v in (kv.split("=") for kv in spec.split(",") if kv)}
+  arn.NUM_WARPS = override.pop("num_warps", arn.NUM_WARPS)
+  splits = {int(k): v for k, v in override.items()}
+  rule = arn.default_splits
+  arn.default_splits = lambda rows, c: splits.get(c, rule(rows, c)) if rows >= 16 else rule(rows, c)
+
+
 def main(_):
   small = FLAGS.small
   if FLAGS.tree_attention:
     override_tree_rule(FLAGS.tree_attention)
+  if FLAGS.residual:
+    override_residual_rule(FLAGS.residual)
   bench_step.MESH = sharding.mesh_from_flags()
   tcfg = bench_step.qwen3_8b(small)
   tp = sharding.shard_params(model.init_params(tcfg, jax.random.key(0)), bench_step.MESH)
@@ -224,7 +241,8 @@ def main(_):
   root = FLAGS.trace_dir or tempfile.mkdtemp(prefix="ddtree_trace_")
   print(f"devices: {jax.devices()}  attention {attention}  batch {b}  prefix {prefix}  "
         f"command buffers {'on' if _KEEP_GRAPHS else 'off'}  tree rule override "
-        f"{FLAGS.tree_attention or 'none'}  traces: {root}", flush=True)
+        f"{FLAGS.tree_attention or 'none'}  residual override {FLAGS.residual or 'none'}  "
+        f"traces: {root}", flush=True)
   for run in FLAGS.runs.split(","):
     method, budget = (run, 0) if run in ("ar", "chain") else ("ddtree", int(run))
     d = (None, None) if method == "ar" else (dp, dcfg)

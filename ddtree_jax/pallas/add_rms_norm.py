@@ -1,0 +1,110 @@
+"""Pallas (Triton GPU) kernel: the o / down projection's split-K sum, the residual add and the
+next RMSNorm, in one launch.
+
+At 33 and 65 rows (B=32, 64) XLA splits the o and down GEMMs over K into float32 partials and then runs two more
+kernels per site: the partials' sum with the residual add, and the next block's RMSNorm (XLA does
+not fuse a reduction over the splits with one over the hidden dim). `residual_norm` makes the
+split explicit (a batched dot over S slices of the contracted dim, float32 out) and this kernel
+does the rest, one program per token row: 2 kernels per site instead of 3. The roundings are
+those of `model.residual_norm`'s XLA form: the projection rounded to x's dtype, the add rounded,
+then `model.rms_norm`.
+
+On the H200 (Qwen3-8B, B=64 verify, 65 rows; WORKSPACE.md, fourteenth session) the o site went
+from ~680 us per step (GEMM, ~half of the sum + add kernels, ~half of the norms) to 436 + 121 us
+and the down site stayed even (S=8; with S=4 XLA split the batched dot again and added a reduce
+kernel). `default_splits` uses it at 64-128 rows only.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from ddtree_jax import model
+from ddtree_jax.attention import einsum_f32
+
+
+def _kernel(p_ref, x_ref, w_ref, xo_ref, ho_ref, *, eps, splits):
+  f32, dt = jnp.float32, xo_ref.dtype
+  rnd = lambda v: v.astype(dt).astype(f32)
+  y = p_ref[0, 0]
+  for s in range(1, splits):  # in split order, as a reduce over S
+    y = y + p_ref[s, 0]
+  x = rnd(x_ref[0].astype(f32) + rnd(y))
+  r = jax.lax.rsqrt(jnp.mean(x * x) + eps)
+  xo_ref[0] = x.astype(dt)
+  ho_ref[0] = (w_ref[...].astype(f32) * rnd(x * r)).astype(dt)
+
+
+def supported(hidden: int, splits: int, dtypes) -> bool:
+  """Triton blocks are powers of two: the hidden size and the split count must be."""
+  pow2 = lambda n: n > 0 and n & (n - 1) == 0
+  return pow2(hidden) and pow2(splits) and len(set(dtypes)) == 1
+
+
+NUM_WARPS = 4  # per program (one token row)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "interpret"))
+def add_rms_norm(partials, x, weight, *, eps, interpret=None):
+  """partials [S, R, H] float32 (the projection's split-K terms), x [R, H], weight [H] (x's dtype)
+  -> (x + sum(partials), its RMSNorm with weight), both [R, H] in x's dtype. Needs `supported`.
+
+  interpret: None = interpret mode on a CPU default backend, compiled Triton otherwise."""
+  s, r, h = partials.shape
+  if not supported(h, s, (x.dtype, weight.dtype)):
+    raise ValueError(f"add_rms_norm: hidden {h} and splits {s} must be powers of two and x, "
+                     f"weight one dtype (got {x.dtype}, {weight.dtype})")
+  if interpret is None:
+    interpret = jax.default_backend() == "cpu"
+  row = pl.BlockSpec((1, h), lambda i: (i, 0))
+  return pl.pallas_call(
+      functools.partial(_kernel, eps=eps, splits=s),
+      grid=(r,),
+      in_specs=[pl.BlockSpec((s, 1, h), lambda i: (0, i, 0)), row,
+                pl.BlockSpec((h,), lambda i: (0,))],
+      out_specs=[row, row],
+      out_shape=[jax.ShapeDtypeStruct((r, h), x.dtype)] * 2,
+      interpret=interpret,
+      compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS),
+      name="add_rms_norm",
+  )(partials.astype(jnp.float32), x, weight)
+
+
+def default_splits(rows: int, contracted: int) -> int:
+  """Split-K slices of a [rows, contracted] x [contracted, H] projection for 64-128 rows: 8 for a
+  contracted dim of 8192+ (down), else 4 (o), halved until they divide it and each is >= 512 deep.
+  0 (XLA's own form, `model.residual_norm`) for other row counts: at 33 rows (B=32) the fused
+  form cost ~70 us more kernel time per step than XLA's, at 1 row (AR) it was much slower, and
+  past 128 rows (B=128, batch 8) whole steps came out even (WORKSPACE.md, fourteenth session)."""
+  if not 64 <= rows <= 128:
+    return 0
+  s = 8 if contracted >= 8192 else 4
+  while s > 1 and (contracted % s or contracted // s < 512):
+    s //= 2
+  return s
+
+
+def residual_norm(x, spec, a, w, norm, *, eps, splits=None, interpret=None):
+  """`model.residual_norm` with the projection's split-K made explicit and its sum, the residual
+  add and the RMSNorm in one kernel: x [B, T, H], spec "bt<c>,<c>h->bth" contracting a's trailing
+  dims <c> with w's leading ones, norm [H]. Int8 weights, mixed dtypes and sizes Triton cannot
+  block take `model.residual_norm`. splits: None = `default_splits` (0: XLA's form); interpret as
+  `add_rms_norm`'s."""
+  (xs, ws), out = spec.split("->")[0].split(","), spec.split("->")[1]
+  if len(xs) < 3 or xs[2:] != ws[:-1] or out != xs[:2] + ws[-1]:
+    raise ValueError(f"residual_norm: spec {spec!r} must be 'bt<c>,<c>h->bth'")
+  b, t, h = x.shape
+  c = a.size // (b * t)
+  plain = not isinstance(w, model.Int8Weight) and w.shape[-1] == h and w.size == c * h
+  s = default_splits(b * t, c) if splits is None else splits
+  if not plain or not s or c % s or not supported(h, s, (x.dtype, a.dtype, w.dtype, norm.dtype)):
+    return model.residual_norm(x, spec, a, w, norm, eps=eps)
+  r = b * t
+  partials = einsum_f32("rsc,sch->srh", a.reshape(r, s, c // s), w.reshape(s, c // s, h))
+  x, hn = add_rms_norm(partials, x.reshape(r, h), norm, eps=eps, interpret=interpret)
+  return x.reshape(b, t, h), hn.reshape(b, t, h)

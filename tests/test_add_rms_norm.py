@@ -1,0 +1,155 @@
+"""The Pallas split-K sum + residual add + RMSNorm (interpret mode on CPU) against
+`model.residual_norm`, and the decode loop with it."""
+
+import functools
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ddtree_jax as dj
+from conftest import FIXTURES
+from ddtree_jax import model
+from ddtree_jax.pallas import add_rms_norm as arn
+from helpers import (abstract_h200_mesh, oracle_drafter, triton_custom_calls, verify_triton_ir,
+                     write_drafter)
+
+O_SPEC, DOWN_SPEC = "btnd,ndh->bth", "bti,ih->bth"
+
+
+def _inputs(b, t, a_shape, h, dtype, seed=0):
+  rng = np.random.default_rng(seed)
+  f = lambda *shape, s=1.0: jnp.asarray(rng.standard_normal(shape) * s, dtype)
+  c = int(np.prod(a_shape))
+  return (f(b, t, h, s=2.0), f(b, t, *a_shape), f(*a_shape, h, s=c ** -0.5),
+          (1 + f(h, s=0.2)).astype(dtype))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("spec,a_shape,b,t,splits", [
+    (O_SPEC, (4, 16), 2, 5, 1), (O_SPEC, (4, 16), 2, 5, 2), (O_SPEC, (4, 16), 1, 65, 4),
+    (O_SPEC, (4, 16), 3, 1, 4), (DOWN_SPEC, (96,), 1, 7, 8), (DOWN_SPEC, (96,), 2, 3, None)])
+def test_equals_xla_form(dtype, spec, a_shape, b, t, splits):
+  """The o and down sites at every split count: float32 to summation order; bf16 within one
+  rounding of the projection (its float32 sum runs in another order than XLA's GEMM)."""
+  x, a, w, norm = _inputs(b, t, a_shape, 64, dtype)
+  got = arn.residual_norm(x, spec, a, w, norm, eps=1e-6, splits=splits)
+  want = model.residual_norm(x, spec, a, w, norm, eps=1e-6)
+  for g, ref in zip(got, want):
+    assert g.shape == ref.shape == x.shape and g.dtype == ref.dtype
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(ref, np.float32),
+                               rtol=tol, atol=tol)
+
+
+def test_bf16_roundings_match_op_by_op():
+  """Given the same float32 projection, the kernel rounds as model.residual_norm does op by op:
+  the projection, the add, x / rms, and the weight product each to bf16 (bit for bit)."""
+  rng = np.random.default_rng(1)
+  bf = jnp.bfloat16
+  partials = jnp.asarray(rng.standard_normal((4, 9, 64)), jnp.float32)
+  x = jnp.asarray(rng.standard_normal((9, 64)) * 3, bf)
+  norm = jnp.asarray(1 + 0.2 * rng.standard_normal(64), bf)
+  got = arn.add_rms_norm(partials, x, norm, eps=1e-6)
+  y = partials[0]
+  for s in range(1, 4):
+    y = y + partials[s]
+  want_x = x + y.astype(bf)
+  want_h = model.rms_norm(want_x, norm, 1e-6)
+  np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(want_x, np.float32))
+  np.testing.assert_array_equal(np.asarray(got[1], np.float32), np.asarray(want_h, np.float32))
+
+
+@pytest.mark.parametrize("case", ["int8", "hidden_not_pow2", "mixed_dtypes", "splits_not_dividing"])
+def test_other_inputs_take_the_xla_path(case):
+  """Int8 weights (the drafter's down), a hidden size Triton cannot block, mixed dtypes and a
+  split count that does not divide the contracted dim run `model.residual_norm` as it is."""
+  x, a, w, norm = _inputs(2, 3, (96,), 48 if case == "hidden_not_pow2" else 64, jnp.float32)
+  splits = 4
+  if case == "int8":
+    w = model.quantize_int8(w)
+  elif case == "mixed_dtypes":
+    norm = norm.astype(jnp.bfloat16)
+  elif case == "splits_not_dividing":
+    x, a, w, norm = _inputs(2, 3, (40,), 64, jnp.float32)
+    splits = 16
+  fn = functools.partial(arn.residual_norm, spec=DOWN_SPEC, eps=1e-6, splits=splits)
+  jaxpr = str(jax.make_jaxpr(lambda x, a, w, n: fn(x, a=a, w=w, norm=n))(x, a, w, norm))
+  assert "pallas_call" not in jaxpr
+  want = model.residual_norm(x, DOWN_SPEC, a, w, norm, eps=1e-6)
+  for g, ref in zip(fn(x, a=a, w=w, norm=norm), want):
+    np.testing.assert_array_equal(g, ref)
+
+
+def test_refuses_other_specs():
+  x, a, w, norm = _inputs(1, 2, (4, 16), 64, jnp.float32)
+  with pytest.raises(ValueError, match="must be 'bt<c>,<c>h->bth'"):
+    arn.residual_norm(x, "btnd,ndh->bht", a, w, norm, eps=1e-6)
+
+
+def test_bench_script_smoke():
+  """experiments/bench_residual.py runs its tiny CPU configuration."""
+  sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "experiments"))
+  import bench_residual  # pylint: disable=import-outside-toplevel
+  bench_residual.main(["--smoke"])
+
+
+def test_kernel_refuses_what_triton_cannot_block():
+  x = jnp.zeros((2, 48), jnp.float32)
+  with pytest.raises(ValueError, match="powers of two"):
+    arn.add_rms_norm(jnp.zeros((2, 2, 48)), x, jnp.ones(48), eps=1e-6)
+  with pytest.raises(ValueError, match="powers of two"):
+    arn.add_rms_norm(jnp.zeros((3, 2, 64)), jnp.zeros((2, 64)), jnp.ones(64), eps=1e-6)
+
+
+@pytest.mark.parametrize("rows,contracted,want", [(1, 4096, 0), (33, 4096, 0), (63, 12288, 0),
+                                                  (64, 4096, 4), (65, 12288, 8), (128, 4096, 4),
+                                                  (129, 4096, 0), (65, 1024, 2), (65, 96, 1)])
+def test_default_splits(rows, contracted, want):
+  """XLA's form outside 64-128 rows; inside, 8 or 4 slices that divide the contracted dim and
+  are >= 512 deep."""
+  assert arn.default_splits(rows, contracted) == want
+
+
+@pytest.mark.parametrize("rows,contracted,splits", [(1, 4096, 4), (65, 4096, 4), (65, 12288, 8),
+                                                    (520, 12288, 1)])
+def test_lowers_for_h200(rows, contracted, splits):
+  """Qwen3-8B's o and down sites (H = 4096) in bf16: one Triton custom call with valid IR."""
+  sds, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+  args = (sds((1, rows, 4096), bf), sds((1, rows, contracted), bf), sds((contracted, 4096), bf),
+          sds((4096,), bf))
+  fn = lambda x, a, w, n: arn.residual_norm(x, DOWN_SPEC, a, w, n, eps=1e-6, splits=splits,
+                                           interpret=False)
+  with jax.sharding.use_abstract_mesh(abstract_h200_mesh()):
+    lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+  calls = triton_custom_calls(lowered)
+  assert len(calls) == 1
+  verify_triton_ir(calls[0])
+
+
+def test_decode_with_split_kernel_is_lossless(monkeypatch, tmp_path):
+  """DDTree B=16 and chain (17 and 6 rows per sequence, 3 ragged prompts) with Pallas attention
+  in float32, the o and down GEMMs forced into 4 and 2 split-K slices (the tiny model's dims are
+  below the rule's 512-deep slices): the tokens equal XLA AR's. (Unique max_new_tokens: no step
+  compiled before the patch is reused.)"""
+  prompts, m = [[3, 17, 99, 4, 250, 31, 8], [42], [9, 8, 7, 6, 5]], 11
+  target = dj.load_target(os.path.join(FIXTURES, "qwen3_gqa"), dtype="float32")
+  drafter = dj.load_drafter(write_drafter(str(tmp_path), target.config, block_size=6), target)
+  ar = dj.generate(target, prompts, max_new_tokens=m, stop_token_ids=(), attention="xla").tokens
+  drafter = oracle_drafter(drafter, prompts, ar, corruption=0.3)
+  cfg, seen = target.config, []
+  o_dim, down_dim = cfg.num_heads * cfg.head_dim, cfg.intermediate_size
+
+  def rule(rows, contracted):
+    seen.append((rows, contracted))
+    return 0 if rows < 16 else 4 if contracted == o_dim else 2  # the verify and the prefill
+
+  monkeypatch.setattr(arn, "default_splits", rule)
+  for method, budget in (("ddtree", 16), ("chain", None)):
+    out = dj.generate(target, prompts, method=method, drafter=drafter, budget=budget,
+                      max_new_tokens=m, stop_token_ids=(), attention="pallas")
+    assert out.tokens == ar, method
+  assert {(3 * 17, o_dim), (3 * 17, down_dim)} <= set(seen)  # the verify's o and down sites
