@@ -38,7 +38,8 @@ class LoopConfig:
   top_k: int | None = None
   top_p: float | None = None
   stop_ids: tuple[int, ...] = ()
-  attention: str = "xla"          # "pallas": the tree attention and q/k norm + RoPE kernels
+  attention: str = "xla"          # "pallas": the tree attention, q/k norm + RoPE and residual
+                                  # add + RMSNorm kernels
   mesh: Any = None                # jax.sharding.Mesh: state constrained, kernels per shard
   rules: Any = None               # sharding.ShardingRules (None: the defaults)
 
@@ -61,10 +62,11 @@ class LoopConfig:
 
   @property
   def res_fn(self):
-    """The target's residual add + RMSNorm after o and down: with Pallas attention and no mesh,
+    """The verify's residual add + RMSNorm after o and down: with Pallas attention and no mesh,
     an explicit split-K GEMM and one Pallas kernel for the partials' sum, the add and the norm
-    (16-128 rows). On a mesh the row-parallel o and down weights are split over the contracted
-    dim: left to XLA. The drafter keeps XLA's form (its down is int8 in the int8 drafter)."""
+    (at 64-128 rows, `pallas.add_rms_norm.default_splits`). On a mesh the row-parallel o and
+    down weights are split over the contracted dim: left to XLA. The prefill and the drafter
+    keep XLA's form (unmeasured there; the int8 drafter's down is int8)."""
     if self.attention != "pallas" or self.mesh is not None:
       return model.residual_norm
     from ddtree_jax.pallas.add_rms_norm import residual_norm  # pylint: disable=import-outside-toplevel
@@ -195,7 +197,7 @@ def prefill(tparams, dparams, tokens, lens, key, *, tcfg, dcfg, lc: LoopConfig, 
   taps_at = () if dcfg is None else dcfg.target_layer_ids
   hidden, new_k, new_v, taps = model.forward(tparams, tcfg, tokens, positions, cache,
                                              model.causal_mask(lens, t), taps_at, lc.attn_fn,
-                                             lc.embed_fn, lc.qk_fn, lc.res_fn)
+                                             lc.embed_fn, lc.qk_fn)
   cache = model.commit(cache, new_k, new_v, positions, lens)
   draft_cache = None
   if dcfg is not None:

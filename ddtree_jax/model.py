@@ -233,7 +233,8 @@ def decoder_stack(layers, cfg, x, final_norm, cos, sin, k_cache, v_cache, prefix
                   attn_fn, qk_fn=None, res_fn=None, tap_layers=()):
   """The decoder layers over x [B, T, H], each RMSNorm computed with the add before it.
 
-  k_cache/v_cache: stacked [L, B, K, S, D] (a KVCache's) or lists of per-layer [B, K, S, D].
+  k_cache/v_cache: stacked [L, B, K, S, D] (a KVCache's, read with `layer=i`) or lists of
+  per-layer caches in attn_fn's layout.
   Returns hidden [B, T, H] after final_norm, new_k/new_v per layer [B, T, K, D], and
   {layer id: residual output [B, T, H]} for tap_layers."""
   stacked = not isinstance(k_cache, (list, tuple))
@@ -269,8 +270,8 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, cache: KVCache,
     tokens, positions: [B, T] int32. new_mask: [B, T, T] bool visibility among the new tokens.
     tap_layers: layer ids whose residual outputs are returned (HF hidden_states[id + 1]).
     attn_fn, embed_fn, qk_fn, res_fn: the attention, the embedding lookup, the q/k norm + RoPE
-      (`norm_rope` when None) and the residual add + RMSNorm after o and down (`residual_norm`
-      when None); per-shard versions on a mesh.
+      (`norm_rope` when None; per-shard versions of these three on a mesh) and the residual add
+      + RMSNorm after o and down (`residual_norm` when None).
   Returns:
     hidden [B, T, H] after the final norm; new_k, new_v: per layer [B, T, K, D];
     taps [B, T, len(tap_layers) * H] (concatenated in tap_layers order) or None.

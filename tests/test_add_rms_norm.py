@@ -31,11 +31,15 @@ def _inputs(b, t, a_shape, h, dtype, seed=0):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("spec,a_shape,b,t,splits", [
     (O_SPEC, (4, 16), 2, 5, 1), (O_SPEC, (4, 16), 2, 5, 2), (O_SPEC, (4, 16), 1, 65, 4),
-    (O_SPEC, (4, 16), 3, 1, 4), (DOWN_SPEC, (96,), 1, 7, 8), (DOWN_SPEC, (96,), 2, 3, None)])
+    (O_SPEC, (4, 16), 3, 1, 4), (DOWN_SPEC, (96,), 1, 7, 8), (DOWN_SPEC, (1024,), 1, 65, None)])
 def test_equals_xla_form(dtype, spec, a_shape, b, t, splits):
-  """The o and down sites at every split count: float32 to summation order; bf16 within one
-  rounding of the projection (its float32 sum runs in another order than XLA's GEMM)."""
+  """The o and down sites at every split count (None: the rule's 2 slices at 65 rows), through
+  the kernel: float32 to summation order; bf16 within a few bf16 roundings (the projection's
+  float32 sum runs in another order than XLA's GEMM)."""
   x, a, w, norm = _inputs(b, t, a_shape, 64, dtype)
+  fn = functools.partial(arn.residual_norm, spec=spec, eps=1e-6, splits=splits)
+  assert "pallas_call" in str(jax.make_jaxpr(lambda *q: fn(*q[:1], a=q[1], w=q[2], norm=q[3]))(
+      x, a, w, norm))
   got = arn.residual_norm(x, spec, a, w, norm, eps=1e-6, splits=splits)
   want = model.residual_norm(x, spec, a, w, norm, eps=1e-6)
   for g, ref in zip(got, want):
@@ -84,10 +88,40 @@ def test_other_inputs_take_the_xla_path(case):
     np.testing.assert_array_equal(g, ref)
 
 
-def test_refuses_other_specs():
+def test_refuses_other_specs_and_shapes():
   x, a, w, norm = _inputs(1, 2, (4, 16), 64, jnp.float32)
   with pytest.raises(ValueError, match="must be 'bt<c>,<c>h->bth'"):
     arn.residual_norm(x, "btnd,ndh->bht", a, w, norm, eps=1e-6)
+  with pytest.raises(ValueError, match="do not match"):  # same sizes, other dims
+    arn.residual_norm(x, O_SPEC, a.reshape(1, 2, 16, 4), w, norm, eps=1e-6)
+
+
+def test_forward_hidden_and_taps_equal_xla_form():
+  """A 2-layer float32 target forward with the kernel at every site (2 slices forced) gives the
+  XLA form's final hidden and the taps (the residual stream after each layer)."""
+  from ddtree_jax.config import ModelConfig
+  cfg = ModelConfig(model_type="qwen3", vocab_size=50, hidden_size=64, intermediate_size=128,
+                    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=1e4)
+  params = model.init_params(cfg, jax.random.key(0), jnp.float32, std=0.1)
+  cache = model.init_cache(2, 1, 2, 16, 16, jnp.float32)
+  tokens = jnp.array([[3, 9, 4, 1, 7]], jnp.int32)
+  pos = jnp.arange(5, dtype=jnp.int32)[None]
+  mask = model.causal_mask(jnp.array([5]), 5)
+  run = lambda res_fn: model.forward(params, cfg, tokens, pos, cache, mask, (0, 1), res_fn=res_fn)
+  got = run(functools.partial(arn.residual_norm, splits=2))
+  want = run(None)
+  for i in (0, 3):  # hidden, taps
+    np.testing.assert_allclose(got[i], want[i], rtol=1e-5, atol=1e-5)
+
+
+def test_loop_config_picks_the_kernel_only_with_pallas_and_no_mesh():
+  from ddtree_jax import decode, sharding
+  mesh = sharding.make_mesh({"dp": 2, "tp": 4})
+  assert decode.LoopConfig(method="ar", max_new_tokens=1).res_fn is model.residual_norm
+  assert decode.LoopConfig(method="ar", max_new_tokens=1, attention="pallas").res_fn is \
+      arn.residual_norm
+  assert decode.LoopConfig(method="ar", max_new_tokens=1, attention="pallas",
+                           mesh=mesh).res_fn is model.residual_norm
 
 
 def test_bench_script_smoke():
@@ -107,10 +141,10 @@ def test_kernel_refuses_what_triton_cannot_block():
 
 @pytest.mark.parametrize("rows,contracted,want", [(1, 4096, 0), (33, 4096, 0), (63, 12288, 0),
                                                   (64, 4096, 4), (65, 12288, 8), (128, 4096, 4),
-                                                  (129, 4096, 0), (65, 1024, 2), (65, 96, 1)])
+                                                  (129, 4096, 0), (65, 1024, 2), (65, 96, 0)])
 def test_default_splits(rows, contracted, want):
-  """XLA's form outside 64-128 rows; inside, 8 or 4 slices that divide the contracted dim and
-  are >= 512 deep."""
+  """XLA's form outside 64-128 rows and where no 2+ slices of >= 512 fit; inside, 8 or 4 slices
+  that divide the contracted dim and are >= 512 deep."""
   assert arn.default_splits(rows, contracted) == want
 
 
@@ -145,11 +179,15 @@ def test_decode_with_split_kernel_is_lossless(monkeypatch, tmp_path):
 
   def rule(rows, contracted):
     seen.append((rows, contracted))
-    return 0 if rows < 16 else 4 if contracted == o_dim else 2  # the verify and the prefill
+    return 0 if rows < 16 else 4 if contracted == o_dim else 2
 
   monkeypatch.setattr(arn, "default_splits", rule)
+  kernel, launches = arn.add_rms_norm, []
+  monkeypatch.setattr(arn, "add_rms_norm", lambda p, *a, **kw: launches.append(p.shape) or
+                      kernel(p, *a, **kw))
   for method, budget in (("ddtree", 16), ("chain", None)):
     out = dj.generate(target, prompts, method=method, drafter=drafter, budget=budget,
                       max_new_tokens=m, stop_token_ids=(), attention="pallas")
     assert out.tokens == ar, method
   assert {(3 * 17, o_dim), (3 * 17, down_dim)} <= set(seen)  # the verify's o and down sites
+  assert {(4, 51, cfg.hidden_size), (2, 51, cfg.hidden_size)} <= set(launches)  # took the kernel

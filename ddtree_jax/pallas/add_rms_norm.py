@@ -18,6 +18,7 @@ kernel). `default_splits` uses it at 64-128 rows only.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -78,15 +79,16 @@ def add_rms_norm(partials, x, weight, *, eps, interpret=None):
 def default_splits(rows: int, contracted: int) -> int:
   """Split-K slices of a [rows, contracted] x [contracted, H] projection for 64-128 rows: 8 for a
   contracted dim of 8192+ (down), else 4 (o), halved until they divide it and each is >= 512 deep.
-  0 (XLA's own form, `model.residual_norm`) for other row counts: at 33 rows (B=32) the fused
-  form cost ~70 us more kernel time per step than XLA's, at 1 row (AR) it was much slower, and
-  past 128 rows (B=128, batch 8) whole steps came out even (WORKSPACE.md, fourteenth session)."""
+  0 (XLA's own form, `model.residual_norm`) for other row counts and where no split of >= 512
+  remains: at 33 rows (B=32) the fused form cost ~70 us more kernel time per step than XLA's, at
+  1 row (AR) it was much slower, and past 128 rows (B=128, batch 8) whole steps came out even
+  (WORKSPACE.md, fourteenth session)."""
   if not 64 <= rows <= 128:
     return 0
   s = 8 if contracted >= 8192 else 4
   while s > 1 and (contracted % s or contracted // s < 512):
     s //= 2
-  return s
+  return s if s > 1 else 0
 
 
 def residual_norm(x, spec, a, w, norm, *, eps, splits=None, interpret=None):
@@ -99,10 +101,13 @@ def residual_norm(x, spec, a, w, norm, *, eps, splits=None, interpret=None):
   if len(xs) < 3 or xs[2:] != ws[:-1] or out != xs[:2] + ws[-1]:
     raise ValueError(f"residual_norm: spec {spec!r} must be 'bt<c>,<c>h->bth'")
   b, t, h = x.shape
-  c = a.size // (b * t)
-  plain = not isinstance(w, model.Int8Weight) and w.shape[-1] == h and w.size == c * h
+  if a.shape[:2] != (b, t) or tuple(w.shape) != tuple(a.shape[2:]) + (h,):
+    raise ValueError(f"residual_norm: a {a.shape} and w {tuple(w.shape)} do not match x {x.shape} "
+                     f"under {spec!r}")
+  c = math.prod(a.shape[2:])
   s = default_splits(b * t, c) if splits is None else splits
-  if not plain or not s or c % s or not supported(h, s, (x.dtype, a.dtype, w.dtype, norm.dtype)):
+  if (isinstance(w, model.Int8Weight) or not s or c % s
+      or not supported(h, s, (x.dtype, a.dtype, w.dtype, norm.dtype))):
     return model.residual_norm(x, spec, a, w, norm, eps=eps)
   r = b * t
   partials = einsum_f32("rsc,sch->srh", a.reshape(r, s, c // s), w.reshape(s, c // s, h))
