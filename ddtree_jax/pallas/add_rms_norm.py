@@ -3,9 +3,10 @@ next RMSNorm, in one launch.
 
 At 33 and 65 rows (B=32, 64) XLA splits the o and down GEMMs over K into float32 partials and
 then runs two more kernels per site: the partials' sum with the residual add, and the next
-block's RMSNorm (XLA does not fuse a reduction over the splits with one over the hidden dim). `residual_norm` makes the
-split explicit (a batched dot over S slices of the contracted dim, float32 out) and this kernel
-does the rest, one program per token row: 2 kernels per site instead of 3. The roundings are
+block's RMSNorm (XLA does not fuse a reduction over the splits with one over the hidden dim).
+`residual_norm` makes the split explicit (a batched dot over S slices of the contracted dim,
+float32 out) and this kernel does the rest, one program per token row: 2 kernels per site
+instead of 3. The roundings are
 those of `model.residual_norm`'s XLA form: the projection rounded to x's dtype, the add rounded,
 then `model.rms_norm`.
 
