@@ -6,9 +6,8 @@ then runs two more kernels per site: the partials' sum with the residual add, an
 block's RMSNorm (XLA does not fuse a reduction over the splits with one over the hidden dim).
 `residual_norm` makes the split explicit (a batched dot over S slices of the contracted dim,
 float32 out) and this kernel does the rest, one program per token row: 2 kernels per site
-instead of 3. The roundings are
-those of `model.residual_norm`'s XLA form: the projection rounded to x's dtype, the add rounded,
-then `model.rms_norm`.
+instead of 3. The roundings are those of `model.residual_norm`'s XLA form: the projection
+rounded to x's dtype, the add rounded, then `model.rms_norm`.
 
 On the H200 (Qwen3-8B, B=64 verify, 65 rows; WORKSPACE.md, fourteenth session) the o site went
 from ~680 us per step (GEMM, ~half of the sum + add kernels, ~half of the norms) to 436 + 121 us
