@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from ddtree_jax import sharding
+from ddtree_jax import model, sharding
 from ddtree_jax.config import ModelConfig, config_from_hf
 from ddtree_jax.model import LayerParams, Params
 
@@ -197,18 +197,22 @@ def load_target_params(path: str, cfg: ModelConfig, dtype, mesh=None, rules=None
   return _place_sharded(host, dtype, mesh, rules)
 
 
-def load_target(path: str, dtype="bfloat16", mesh=None, rules=None) -> Target:
+def load_target(path: str, dtype="bfloat16", mesh=None, rules=None, fuse_qkv: bool = True) -> Target:
   """Loads a Hugging Face Qwen3 (dense) or Llama directory (safetensors only).
 
   With a `mesh` (sharding.make_mesh) every tensor goes straight from the memory map onto its
   shards, laid out by `rules` (default sharding.ShardingRules(): tensor parallel over "tp");
   dimensions that do not divide the mesh are refused with a ValueError (see sharding.py).
+  On one device (no mesh) each layer's q and k/v weights become one wqkv (`model.fuse_qkv`: one
+  projection GEMM per layer) unless fuse_qkv=False.
   """
   cfg = config_from_hf(read_config(path))
   dtype = parse_dtype(dtype)
   if mesh is not None:
     rules = rules or sharding.DEFAULT_RULES
   params = load_target_params(path, cfg, dtype, mesh, rules)
+  if mesh is None and fuse_qkv:
+    params = model.fuse_qkv(params)
   return Target(params=params, config=cfg, tokenizer=load_tokenizer(path), path=path, mesh=mesh,
                 rules=rules)
 
@@ -398,11 +402,15 @@ def _layer_tensors(prefix: str, layer: LayerParams, cfg: ModelConfig, dtype) -> 
   """Our [in, out] layer weights -> PyTorch [out, in] tensors (inverse of TensorReader.layer)."""
   h, n, k, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   a = prefix + "self_attn."
-  wkv = _np(layer.wkv, dtype)
+  if layer.wqkv is not None:  # model.fuse_qkv's [H, N + 2K, D]
+    wqkv = _np(layer.wqkv, dtype)
+    wq, wkv = wqkv[:, :n], wqkv[:, n:].reshape(h, 2, k, d)
+  else:
+    wq, wkv = _np(layer.wq, dtype), _np(layer.wkv, dtype)
   gu = _np(layer.w_gate_up, dtype)
   t = {
       prefix + "input_layernorm.weight": _np(layer.input_norm, dtype),
-      a + "q_proj.weight": _np(layer.wq, dtype).reshape(h, n * d).T,
+      a + "q_proj.weight": wq.reshape(h, n * d).T,
       a + "k_proj.weight": wkv[:, 0].reshape(h, k * d).T,
       a + "v_proj.weight": wkv[:, 1].reshape(h, k * d).T,
       a + "o_proj.weight": _np(layer.wo, dtype).reshape(n * d, h).T,

@@ -53,12 +53,16 @@ class LoopConfig:
 
   @property
   def qk_fn(self):
-    """The q/k RMSNorm + RoPE after the projections: one Pallas kernel with Pallas attention."""
+    """The q/k/v projections + q/k RMSNorm + RoPE (`model.project_qkv`'s hook): with Pallas
+    attention the norms and RoPE in one Pallas kernel, which also sums a fused weight's explicit
+    split-K partials (`pallas.project_qk_norm_rope`); on a mesh XLA's projections, then the
+    kernel per shard."""
     if self.attention != "pallas":
-      return model.norm_rope
-    from ddtree_jax.pallas.qk_norm_rope import qk_norm_rope  # pylint: disable=import-outside-toplevel
-    return qk_norm_rope if self.mesh is None else sharding.shard_qk_norm_rope(qk_norm_rope,
-                                                                              self.mesh, self.rules)
+      return model.project_norm_rope
+    from ddtree_jax.pallas.qk_norm_rope import project_qk_norm_rope, qk_norm_rope  # pylint: disable=import-outside-toplevel
+    if self.mesh is None:
+      return project_qk_norm_rope
+    return sharding.shard_qk_norm_rope(qk_norm_rope, self.mesh, self.rules)
 
   @property
   def res_fn(self):

@@ -81,14 +81,41 @@ def dense(spec, x, w, out_dtype=None):
 class LayerParams:
   """One decoder layer; a drafter's matrices may be Int8Weights (`drafter.quantize_int8`)."""
   input_norm: Array        # [H]
-  wq: Array                # [H, N, D]
-  wkv: Array               # [H, 2, K, D]  (k, v)
+  wq: Array | None         # [H, N, D]; None once fused into wqkv
+  wkv: Array | None        # [H, 2, K, D]  (k, v); None once fused into wqkv
   wo: Array                # [N, D, H]
   q_norm: Array | None     # [D] (Qwen3) or None (Llama)
   k_norm: Array | None     # [D]
   post_norm: Array         # [H]
   w_gate_up: Array         # [H, 2, I]  (gate, up)
   w_down: Array            # [I, H]
+  # `fuse_qkv`: [H, N + 2K, D], wq's heads then wkv's k and v heads: the q and k/v projections
+  # as one GEMM with one output (one device only; see fuse_qkv)
+  wqkv: Array | None = None
+
+
+def fuse_qkv(params: Params) -> Params:
+  """The target's wq [H, N, D] and wkv [H, 2, K, D] as one wqkv [H, N + 2K, D] per layer (the
+  same values, concatenated over heads). One GEMM then writes q, k and v into one array, and
+  with Pallas attention the kernel after it sums that GEMM's split-K partials
+  (`pallas.project_qk_norm_rope`): with two weights XLA merged the projections into one GEMM
+  anyway (at 33-65 rows on the H200) but then copied its output into the kernel's operand
+  (WORKSPACE.md, fourteenth and fifteenth sessions). One device only: on a mesh q and kv heads
+  are sharded on their own axes (`sharding.py` refuses fused weights). Fused layers are kept."""
+  def fuse(layer):
+    if layer.wqkv is not None:
+      return layer
+    if isinstance(layer.wq, Int8Weight) or isinstance(layer.wkv, Int8Weight):
+      raise ValueError("fuse_qkv: int8 q/k/v weights are not supported (drafters keep wq, wkv)")
+    h, _, d = layer.wq.shape
+    wqkv = jnp.concatenate([layer.wq, layer.wkv.reshape(h, -1, d)], axis=1)
+    return dataclasses.replace(layer, wq=None, wkv=None, wqkv=wqkv)
+  return dataclasses.replace(params, layers=[fuse(l) for l in params.layers])
+
+
+def split_qkv(y, n: int):
+  """The fused projection's output [..., N + 2K, D] -> q [..., N, D], kv [..., 2, K, D]."""
+  return y[..., :n, :], y[..., n:, :].reshape(y.shape[:-2] + (2, -1, y.shape[-1]))
 
 
 @jax.tree_util.register_dataclass
@@ -172,11 +199,19 @@ def apply_rope(x, cos, sin):
 # (experiments/bench_gemm.py, WORKSPACE.md 2026-11-30). Slicing the stacked weight instead copies
 # it every step (2x slower).
 def project_qkv(layer: LayerParams, cfg: ModelConfig, h, cos, sin, qk_fn=None):
-  """Normed input h [B, T, H] -> q [B, T, N, D], k, v [B, T, K, D] (q/k normed and RoPE'd by
-  qk_fn: `norm_rope`, or the same in one Pallas kernel, `pallas.qk_norm_rope`)."""
-  q = dense("bth,hnd->btnd", h, layer.wq)
-  kv = dense("bth,hskd->btskd", h, layer.wkv)
-  return (qk_fn or norm_rope)(q, kv, layer.q_norm, layer.k_norm, cos, sin, eps=cfg.rms_norm_eps)
+  """Normed input h [B, T, H] -> q [B, T, N, D], k, v [B, T, K, D], q/k normed and RoPE'd, by
+  qk_fn(layer, h, cos, sin, eps=...): `project_norm_rope`, or the same with the norms and RoPE
+  in one Pallas kernel (`pallas.project_qk_norm_rope`)."""
+  return (qk_fn or project_norm_rope)(layer, h, cos, sin, eps=cfg.rms_norm_eps)
+
+
+def project_norm_rope(layer: LayerParams, h, cos, sin, *, eps):
+  """The q and k/v projections of h [B, T, H] (wq and wkv, or the fused wqkv), then `norm_rope`."""
+  if layer.wqkv is not None:
+    q, kv = split_qkv(dense("bth,hnd->btnd", h, layer.wqkv), layer.wo.shape[0])
+  else:
+    q, kv = dense("bth,hnd->btnd", h, layer.wq), dense("bth,hskd->btskd", h, layer.wkv)
+  return norm_rope(q, kv, layer.q_norm, layer.k_norm, cos, sin, eps=eps)
 
 
 def norm_rope(q, kv, q_norm, k_norm, cos, sin, *, eps):
@@ -188,7 +223,9 @@ def norm_rope(q, kv, q_norm, k_norm, cos, sin, *, eps):
 
 
 def project_kv(layer: LayerParams, cfg: ModelConfig, h, cos, sin):
-  """h [B, T, H] -> k, v [B, T, K, D]; k normed (Qwen3) and RoPE'd."""
+  """h [B, T, H] -> k, v [B, T, K, D]; k normed (Qwen3) and RoPE'd (drafter layers: unfused)."""
+  if layer.wkv is None:
+    raise ValueError("project_kv needs a layer's own wkv (fuse_qkv is for the target only)")
   return kv_rows(layer, cfg, dense("bth,hskd->btskd", h, layer.wkv), cos, sin)
 
 

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from ddtree_jax import model
 from ddtree_jax.drafter import DrafterParams
 from ddtree_jax.model import Int8Weight, KVCache, LayerParams, Params
 
@@ -118,6 +119,9 @@ def _w(w, *spec):
 
 
 def _layer_specs(layer: LayerParams, mesh, rules) -> LayerParams:
+  if layer.wqkv is not None:
+    raise ValueError("fused q/k/v weights (model.fuse_qkv) cannot be sharded: q and kv heads "
+                     "split on their own axes; shard the unfused params")
   hd = _axis(mesh, rules, "heads", layer.wq.shape[1], "query heads")
   kv = _axis(mesh, rules, "kv_heads", layer.wkv.shape[2], "kv heads")
   ml = _axis(mesh, rules, "mlp", layer.w_down.shape[0], "intermediate_size")
@@ -327,14 +331,19 @@ def shard_attention(attn_fn: Callable, mesh: Mesh, rules: ShardingRules | None =
 
 
 def shard_qk_norm_rope(qk_fn: Callable, mesh: Mesh, rules: ShardingRules | None = None) -> Callable:
-  """Wraps a q/k norm + RoPE with the `model.norm_rope` contract to run per shard in shard_map:
-  q [B, T, N, D] split on N, kv [B, T, 2, K, D] on K (when the kv heads are split with the q
-  heads; else every device does all of them, as its k/v output is replicated too), and all of
-  them and cos/sin [B, T, D] on B over dp when it divides. Per row and head, so there is no
-  communication."""
+  """The q/k/v projection hook of `model.project_qkv` on a mesh: the projections as GSPMD
+  partitions them, then `qk_fn` (a q/k norm + RoPE with the `model.norm_rope` contract, e.g.
+  `pallas.qk_norm_rope`) per shard in shard_map: q [B, T, N, D] split on N, kv [B, T, 2, K, D]
+  on K (when the kv heads are split with the q heads; else every device does all of them, as its
+  k/v output is replicated too), and all of them and cos/sin [B, T, D] on B over dp when it
+  divides. Per row and head, so there is no communication."""
   rules = rules or DEFAULT_RULES
 
-  def wrapped(q, kv, q_norm, k_norm, cos, sin, *, eps):
+  def wrapped(layer, h, cos, sin, *, eps):
+    if layer.wqkv is not None:
+      raise ValueError("fused q/k/v weights (model.fuse_qkv) are for one device only")
+    q, kv = model.dense("bth,hnd->btnd", h, layer.wq), model.dense("bth,hskd->btskd", h, layer.wkv)
+    q_norm, k_norm = layer.q_norm, layer.k_norm
     bt, hd, kv_ax = _head_axes(mesh, rules, q.shape[0], q.shape[2], kv.shape[3])
     local = lambda *a: qk_fn(*a, eps=eps)
     norm = lambda w: None if w is None else P()

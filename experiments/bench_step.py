@@ -43,6 +43,8 @@ flags.DEFINE_string("drafters", "bf16", "comma list: bf16, int8 (int8 W8A8 draft
                     "own int8 lm_head, drafter.quantize_int8), each optionally with ':vN' (drafts "
                     "over ids 0..N-1 only, drafter.restrict_vocab), e.g. int8:v32768; spec rows "
                     "run for each")
+flags.DEFINE_bool("fuse_qkv", True, "without a mesh, fuse the target's q and k/v weights into "
+                  "one (model.fuse_qkv), as checkpoint.load_target does")
 flags.DEFINE_bool("stages", True, "also time the stages as separate programs")
 flags.DEFINE_string("stage_runs", "", "runs of the sweep that get stage times ('' = all)")
 sharding.define_mesh_flags()
@@ -60,6 +62,12 @@ def qwen3_8b(small):
   return ModelConfig(model_type="qwen3", vocab_size=151936, hidden_size=4096,
                      intermediate_size=12288, num_layers=36, num_heads=32, num_kv_heads=8,
                      head_dim=128, rope_theta=1e6, max_position_embeddings=40960)
+
+
+def target_params(tcfg, key):
+  """Random target weights on the --mesh_* mesh, or fused (--fuse_qkv) on one device."""
+  params = sharding.shard_params(model.init_params(tcfg, key), MESH)
+  return model.fuse_qkv(params) if MESH is None and FLAGS.fuse_qkv else params
 
 
 def drafter_config(tcfg, small):
@@ -180,7 +188,7 @@ def main(_):
   key = jax.random.key(0)
   global MESH
   MESH = sharding.mesh_from_flags()
-  tp = sharding.shard_params(model.init_params(tcfg, key), MESH)
+  tp = target_params(tcfg, key)
   dp, dcfg = make_drafter(tcfg, jax.random.key(1), small)
   dps = {"bf16": sharding.shard_params(dp, MESH)}
   names = FLAGS.drafters.split(",")

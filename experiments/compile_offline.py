@@ -54,7 +54,7 @@ FLAGS = flags.FLAGS
 def compile_pallas_as_triton():
   """Pallas kernels compiled as on the GPU (not interpret mode, the default on a CPU backend); the
   lowering reads the GPU from the abstract H200 that `lowering_context` provides."""
-  for mod, name in (("tree_attention", "tree_attention"), ("qk_norm_rope", "qk_norm_rope"),
+  for mod, name in (("tree_attention", "tree_attention"), ("qk_norm_rope", "project_qk_norm_rope"),
                     ("add_rms_norm", "residual_norm")):
     module = importlib.import_module(f"ddtree_jax.pallas.{mod}")  # the module, not the function
     setattr(module, name, functools.partial(getattr(module, name), interpret=False))
@@ -89,6 +89,8 @@ def main(_):
                                  t)
   tcfg = bench_step.qwen3_8b(FLAGS.small)
   tparams = jax.eval_shape(lambda: model.init_params(tcfg, jax.random.key(0)))
+  if FLAGS.tp == 1 and FLAGS.fuse_qkv:  # bench_step's flag
+    tparams = jax.eval_shape(model.fuse_qkv, tparams)
   dcfg = bench_step.drafter_config(tcfg, FLAGS.small)
   dparams = jax.eval_shape(lambda: bench_step.make_drafter(tcfg, jax.random.key(1), FLAGS.small)[0])
   if FLAGS.drafter_int8:

@@ -41,7 +41,7 @@ import numpy as np
 
 import bench_step
 from ddtree_jax import drafter as drafter_lib
-from ddtree_jax import model, sharding
+from ddtree_jax import sharding
 
 flags.DEFINE_string("runs", "ar,32,64", "ar, chain or ddtree budgets")
 flags.DEFINE_integer("batch", 1, "batch size")
@@ -58,6 +58,8 @@ flags.DEFINE_bool("command_buffers", False, "keep XLA's CUDA graphs (their kerne
 flags.DEFINE_string("tree_attention", "",
                     "override the Pallas launch rule for trees (T x G > 64), e.g. "
                     "'num_splits=4,block_k=128': an A/B of the rule inside the real step")
+flags.DEFINE_integer("qkv_splits", -1, "override the fused q/k/v projection's split rule for "
+                     "16+ rows (0: XLA's GEMM; -1: the rule)")
 flags.DEFINE_string("residual", "",
                     "override the residual add + RMSNorm kernel's rule for 16+ rows: split-K "
                     "count per contracted dim and warps, e.g. '4096=2,12288=4,num_warps=8' "
@@ -221,15 +223,24 @@ def override_residual_rule(spec: str):
   arn.default_splits = lambda rows, c: splits.get(c, rule(rows, c)) if rows >= 16 else rule(rows, c)
 
 
+def override_qkv_splits(splits: int):
+  """Patches pallas.qk_norm_rope's split rule for a fused q/k/v projection at 16+ rows."""
+  qk = importlib.import_module("ddtree_jax.pallas.qk_norm_rope")
+  rule = qk.default_splits
+  qk.default_splits = lambda rows: splits if rows >= 16 else rule(rows)
+
+
 def main(_):
   small = FLAGS.small
+  if FLAGS.qkv_splits >= 0:
+    override_qkv_splits(FLAGS.qkv_splits)
   if FLAGS.tree_attention:
     override_tree_rule(FLAGS.tree_attention)
   if FLAGS.residual:
     override_residual_rule(FLAGS.residual)
   bench_step.MESH = sharding.mesh_from_flags()
   tcfg = bench_step.qwen3_8b(small)
-  tp = sharding.shard_params(model.init_params(tcfg, jax.random.key(0)), bench_step.MESH)
+  tp = bench_step.target_params(tcfg, jax.random.key(0))
   dp, dcfg = bench_step.make_drafter(tcfg, jax.random.key(1), small)
   if FLAGS.drafter_int8:
     dp = jax.jit(drafter_lib.quantize_int8)(dp, tp)
@@ -242,6 +253,8 @@ def main(_):
   print(f"devices: {jax.devices()}  attention {attention}  batch {b}  prefix {prefix}  "
         f"command buffers {'on' if _KEEP_GRAPHS else 'off'}  tree rule override "
         f"{FLAGS.tree_attention or 'none'}  residual override {FLAGS.residual or 'none'}  "
+        f"qkv splits {FLAGS.qkv_splits if FLAGS.qkv_splits >= 0 else 'rule'}  "
+        f"fused q/k/v {tp.layers[0].wqkv is not None}  "
         f"traces: {root}", flush=True)
   for run in FLAGS.runs.split(","):
     method, budget = (run, 0) if run in ("ar", "chain") else ("ddtree", int(run))

@@ -1,6 +1,9 @@
 """The Pallas q/k RMSNorm + RoPE kernel (interpret mode on CPU) against `model.norm_rope`."""
 
+import dataclasses
 import functools
+import importlib
+import os
 
 import jax
 import jax.numpy as jnp
@@ -8,10 +11,14 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+import ddtree_jax as dj
+from conftest import FIXTURES
 from ddtree_jax import model, sharding
 from ddtree_jax.config import ModelConfig
 from ddtree_jax.pallas import qk_norm_rope
-from helpers import abstract_h200_mesh, triton_custom_calls, verify_triton_ir
+qk_lib = importlib.import_module("ddtree_jax.pallas.qk_norm_rope")  # the module
+from helpers import (abstract_h200_mesh, oracle_drafter, triton_custom_calls, verify_triton_ir,
+                     write_drafter)
 
 
 def _inputs(b, t, n, k, d, dtype, norms=True, seed=0):
@@ -58,24 +65,89 @@ def test_other_inputs_take_the_xla_path(case):
     np.testing.assert_array_equal(g, w)
 
 
+def _layer(hid, n, k, d, dtype, seed=1, fused=False):
+  rng = np.random.default_rng(seed)
+  f = lambda *shape, s=0.3: jnp.asarray(rng.standard_normal(shape) * s, dtype)
+  layer = model.LayerParams(input_norm=None, wq=f(hid, n, d), wkv=f(hid, 2, k, d), wo=f(n, d, hid),
+                            q_norm=1 + f(d), k_norm=1 + f(d), post_norm=None, w_gate_up=None,
+                            w_down=None)
+  if fused:
+    layer = model.fuse_qkv(model.Params(embed=None, layers=[layer], final_norm=None,
+                                        lm_head=None)).layers[0]
+  return layer
+
+
 @pytest.mark.parametrize("rules,n,k", [(sharding.ShardingRules(), 8, 4),
                                       (sharding.ShardingRules(kv_heads=None), 16, 4),
                                       (sharding.ShardingRules(kv_heads=None), 8, 4)],
                          ids=["kv_split", "kv_replicated", "kv_replicated_more_than_q"])
 def test_sharded_equals_unsharded(rules, n, k):
-  """Per shard: 2 q heads with their 1 kv head; 4 q heads with all 4 kv heads (replicated); 2 q
-  heads with all 4 kv heads. The kernel runs on every shard."""
+  """The mesh hook: GSPMD projections, then per shard 2 q heads with their 1 kv head; 4 q heads
+  with all 4 kv heads (replicated); 2 q heads with all 4 kv heads. The kernel runs on every
+  shard."""
   mesh = sharding.make_mesh({"dp": 2, "tp": 4})
-  args = _inputs(2, 5, n, k, 32, jnp.float32)
+  _, _, _, _, cos, sin = _inputs(2, 5, n, k, 32, jnp.float32)
+  layer = _layer(24, n, k, 32, jnp.float32)
+  h = jnp.asarray(np.random.default_rng(2).standard_normal((2, 5, 24)), jnp.float32)
   kv = "tp" if rules.kv_heads else None
-  specs = (P("dp", None, "tp", None), P("dp", None, None, kv, None), P(), P(), P("dp"), P("dp"))
-  placed = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs)]
+  put = lambda a, *spec: jax.device_put(a, NamedSharding(mesh, P(*spec)))
+  placed = dataclasses.replace(layer, wq=put(layer.wq, None, "tp", None),
+                               wkv=put(layer.wkv, None, None, kv, None))
   fn = jax.jit(functools.partial(sharding.shard_qk_norm_rope(qk_norm_rope, mesh, rules), eps=1e-6))
-  assert "pallas_call" in str(jax.make_jaxpr(fn)(*placed))
-  got = fn(*placed)
-  assert got[0].sharding.is_equivalent_to(NamedSharding(mesh, specs[0]), 4)
-  for g, w in zip(got, model.norm_rope(*args, eps=1e-6)):
+  args = (placed, put(h, "dp"), put(cos, "dp"), put(sin, "dp"))
+  assert "pallas_call" in str(jax.make_jaxpr(fn)(*args))
+  got = fn(*args)
+  assert got[0].sharding.is_equivalent_to(NamedSharding(mesh, P("dp", None, "tp", None)), 4)
+  for g, w in zip(got, model.project_norm_rope(layer, h, cos, sin, eps=1e-6)):
     np.testing.assert_allclose(g, w, rtol=2e-6, atol=2e-6)
+  with pytest.raises(ValueError, match="one device"):
+    fn(_layer(24, n, k, 32, jnp.float32, fused=True), *args[1:])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("splits", [None, 0, 1, 2, 3, 4])
+def test_fused_projection(dtype, splits):
+  """A fused layer (`model.fuse_qkv`) through the kernel hook, its split-K partials summed in the
+  kernel (S = 2-4), against the unfused XLA form: float32 to summation order; bf16 within one
+  bf16 rounding of the projection (a different summation order), and bit for bit against the
+  same projection rounded and normed op by op in XLA."""
+  b, t, hid, n, k, d = 2, 3, 48, 6, 2, 16
+  _, _, _, _, cos, sin = _inputs(b, t, n, k, d, dtype)
+  layer = _layer(hid, n, k, d, dtype)
+  fused = _layer(hid, n, k, d, dtype, fused=True)
+  assert fused.wq is None and fused.wqkv.shape == (hid, n + 2 * k, d)
+  h = jnp.asarray(np.random.default_rng(3).standard_normal((b, t, hid)), dtype)
+  got = qk_lib.project_qk_norm_rope(fused, h, cos, sin, eps=1e-6, splits=splits)
+  want = model.project_norm_rope(layer, h, cos, sin, eps=1e-6)
+  for g, w in zip(got, want):
+    assert g.shape == w.shape and g.dtype == w.dtype
+    tol = 2e-5 if dtype == jnp.float32 else 0.07
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=tol,
+                               atol=tol)
+  s = splits or 1
+  hs = h.reshape(b, t, s, hid // s).astype(jnp.float32)
+  ws = fused.wqkv.reshape(s, hid // s, n + 2 * k, d).astype(jnp.float32)
+  y = sum(jnp.einsum("btc,cnd->btnd", hs[:, :, i], ws[i]) for i in range(s)).astype(dtype)
+  q, kv = model.split_qkv(y, n)
+  if dtype == jnp.bfloat16 and splits not in (None, 0):  # same float32 partials, same sum order
+    for g, w in zip(got, model.norm_rope(q, kv, layer.q_norm, layer.k_norm, cos, sin, eps=1e-6)):
+      np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
+def test_split_rule_and_xla_path_of_fused_layers():
+  assert [qk_lib.default_splits(r) for r in (1, 31, 32, 33, 65, 128, 129)] == [0, 0, 2, 2, 2, 2, 0]
+  layer = _layer(32, 4, 2, 16, jnp.float32, fused=True)
+  _, _, _, _, cos, sin = _inputs(1, 2, 4, 2, 16, jnp.float32)
+  h = jnp.ones((1, 2, 32), jnp.float32)
+  unfused = _layer(32, 4, 2, 16, jnp.float32)
+  for g, w in zip(model.project_norm_rope(layer, h, cos, sin, eps=1e-6),
+                  model.project_norm_rope(unfused, h, cos, sin, eps=1e-6)):
+    np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+  with pytest.raises(ValueError, match="int8"):
+    model.fuse_qkv(model.Params(embed=None, final_norm=None, lm_head=None, layers=[
+        dataclasses.replace(unfused, wq=model.quantize_int8(unfused.wq))]))
+  with pytest.raises(ValueError, match="own wkv"):
+    model.project_kv(layer, None, h, cos, sin)
 
 
 @pytest.mark.parametrize("t,n,k", [(1, 32, 8), (33, 32, 8), (65, 32, 8), (65, 40, 8), (7, 6, 2),
@@ -93,3 +165,82 @@ def test_lowers_for_h200(t, n, k):
   calls = triton_custom_calls(lowered)
   assert len(calls) == 1
   verify_triton_ir(calls[0])
+
+
+@pytest.mark.parametrize("t,splits", [(33, 2), (65, 2), (65, 1)])
+def test_fused_operand_lowers_for_h200(t, splits):
+  """Qwen3-8B's fused q/k/v operand (32 + 2 x 8 heads, D=128): S float32 partials or the bf16
+  projection itself, one Triton custom call with valid IR."""
+  sds = jax.ShapeDtypeStruct
+  bf = jnp.bfloat16
+  parts = sds((splits, 1, t, 48, 128), jnp.float32 if splits > 1 else bf)
+  args = (parts, sds((128,), bf), sds((128,), bf), sds((1, t, 128), bf), sds((1, t, 128), bf))
+  fn = functools.partial(qk_lib.qkv_norm_rope, n=32, eps=1e-6, interpret=False)
+  with jax.sharding.use_abstract_mesh(abstract_h200_mesh()):
+    lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+  calls = triton_custom_calls(lowered)
+  assert len(calls) == 1
+  verify_triton_ir(calls[0])
+
+
+def test_loop_config_hook():
+  from ddtree_jax import decode  # pylint: disable=import-outside-toplevel
+  mesh = sharding.make_mesh({"dp": 2, "tp": 4})
+  assert decode.LoopConfig(method="ar", max_new_tokens=1).qk_fn is model.project_norm_rope
+  assert decode.LoopConfig(method="ar", max_new_tokens=1, attention="pallas").qk_fn is \
+      qk_lib.project_qk_norm_rope
+  fn = decode.LoopConfig(method="ar", max_new_tokens=1, attention="pallas", mesh=mesh).qk_fn
+  assert fn.__qualname__.startswith("shard_qk_norm_rope")
+
+
+def test_loaded_target_is_fused_and_exports_the_same(tmp_path):
+  """load_target fuses q/k/v on one device (not on a mesh, not with fuse_qkv=False); both
+  layouts give the same forward and export the same HF tensors."""
+  from ddtree_jax import checkpoint  # pylint: disable=import-outside-toplevel
+  path = os.path.join(FIXTURES, "qwen3_gqa")
+  fused = dj.load_target(path, dtype="float32")
+  plain = dj.load_target(path, dtype="float32", fuse_qkv=False)
+  cfg = fused.config
+  assert all(l.wqkv is not None and l.wq is None for l in fused.params.layers)
+  assert all(l.wqkv is None for l in plain.params.layers)
+  assert fused.params.layers[0].wqkv.shape == (cfg.hidden_size,
+                                               cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
+  tokens = jnp.asarray([[3, 17, 99, 4, 250]], jnp.int32)
+  np.testing.assert_allclose(dj.forward_logits(fused, tokens),
+                             dj.forward_logits(plain, tokens), rtol=1e-5, atol=1e-5)
+  a = checkpoint.read_checkpoint_tensors(
+      checkpoint.save_target_hf(str(tmp_path / "f"), fused.params, cfg, dtype="float32"))
+  b = checkpoint.read_checkpoint_tensors(
+      checkpoint.save_target_hf(str(tmp_path / "p"), plain.params, cfg, dtype="float32"))
+  assert sorted(a) == sorted(b)
+  for name in a:
+    np.testing.assert_array_equal(a[name], b[name])
+  mesh = sharding.make_mesh({"dp": 2, "tp": 1})
+  assert dj.load_target(path, dtype="float32", mesh=mesh).params.layers[0].wqkv is None
+  with pytest.raises(ValueError, match="fused q/k/v"):
+    sharding.shard_params(fused.params, mesh)
+
+
+def test_fused_decode_with_forced_splits_is_lossless(monkeypatch, tmp_path):
+  """DDTree B=16 and chain (17 and 6 rows per sequence, 3 ragged prompts) with Pallas attention
+  in float32 on the fused target, its q/k/v projection forced into 4 split-K slices summed by
+  the kernel: the tokens equal XLA AR's on the unfused target. (Unique max_new_tokens: no step
+  compiled before the patch is reused.)"""
+  prompts, m = [[3, 17, 99, 4, 250, 31, 8], [42], [9, 8, 7, 6, 5]], 13
+  path = os.path.join(FIXTURES, "qwen3_gqa")
+  target = dj.load_target(path, dtype="float32")
+  plain = dj.load_target(path, dtype="float32", fuse_qkv=False)
+  drafter = dj.load_drafter(write_drafter(str(tmp_path), target.config, block_size=6), target)
+  ar = dj.generate(plain, prompts, max_new_tokens=m, stop_token_ids=(), attention="xla").tokens
+  drafter = oracle_drafter(drafter, prompts, ar, corruption=0.3)
+  monkeypatch.setattr(qk_lib, "default_splits", lambda rows: 4 if rows >= 16 else 0)
+  kernel, launches = qk_lib.qkv_norm_rope, []
+  monkeypatch.setattr(qk_lib, "qkv_norm_rope", lambda p, *a, **kw: launches.append(p.shape) or
+                      kernel(p, *a, **kw))
+  for method, budget in (("ddtree", 16), ("chain", None)):
+    out = dj.generate(target, prompts, method=method, drafter=drafter, budget=budget,
+                      max_new_tokens=m, stop_token_ids=(), attention="pallas")
+    assert out.tokens == ar, method
+  cfg = target.config
+  heads = cfg.num_heads + 2 * cfg.num_kv_heads
+  assert (4, 3, 17, heads, cfg.head_dim) in launches  # the tree verify took the split

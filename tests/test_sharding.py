@@ -33,8 +33,9 @@ def paths(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(paths):
-  """Unsharded target, drafter and outputs: AR tokens, chain/ddtree acceptance lengths."""
-  target = dj.load_target(paths[0], dtype="float32")
+  """Unsharded target (unfused: the layout the mesh tests compare tensor by tensor), drafter and
+  outputs: AR tokens, chain/ddtree acceptance lengths."""
+  target = dj.load_target(paths[0], dtype="float32", fuse_qkv=False)
   drafter = dj.load_drafter(paths[1], target)
   ar = dj.generate(target, PROMPTS, max_new_tokens=M, stop_token_ids=()).tokens
   oracle = oracle_drafter(drafter, PROMPTS, ar)
