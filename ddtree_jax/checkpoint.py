@@ -85,6 +85,26 @@ class Stacked:
     return np.stack([np.asarray(self.parts[i][rest]) for i in picked], axis=self.axis)
 
 
+class Joined:
+  """A lazy np.concatenate of host tensors along `axis` (model.fuse_qkv's wqkv, made on the host
+  so that no device holds the separate weights too). Indexed by slices (or `...`) only."""
+
+  def __init__(self, parts, axis: int):
+    self.parts, self.axis = list(parts), axis
+    size = sum(p.shape[axis] for p in parts)
+    self.shape = parts[0].shape[:axis] + (size,) + parts[0].shape[axis + 1:]
+
+  def __getitem__(self, idx):
+    idx = idx if isinstance(idx, tuple) else (idx,)
+    idx = () if idx == (Ellipsis,) else idx
+    idx = idx + (slice(None),) * (len(self.shape) - len(idx))
+    if not all(isinstance(i, slice) for i in idx):
+      raise TypeError(f"Joined is indexed by slices only, got {idx}")
+    whole = idx[:self.axis] + (slice(None),) + idx[self.axis + 1:]
+    joined = np.concatenate([np.asarray(p[whole]) for p in self.parts], axis=self.axis)
+    return joined[(slice(None),) * self.axis + (idx[self.axis],)]
+
+
 class TensorReader:
   """Fetches named tensors with shape checks as lazy host views in our [in, out] layouts
   (memory-mapped numpy views or `Stacked`); nothing is read until `place` slices them."""
@@ -109,7 +129,8 @@ class TensorReader:
     Transposing and splitting one axis are both views: still nothing is read."""
     return self.get(name, (out_dim, in_dim), lambda t: t.T.reshape((in_dim,) + (split or (out_dim,))))
 
-  def layer(self, prefix: str, cfg: ModelConfig) -> LayerParams:
+  def layer(self, prefix: str, cfg: ModelConfig, fuse_qkv: bool = False) -> LayerParams:
+    """One decoder layer; fuse_qkv: q, k and v as one wqkv [H, N + 2K, D] (`model.fuse_qkv`)."""
     h, n, k, d, i = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                      cfg.intermediate_size)
     a = prefix + "self_attn."
@@ -117,16 +138,18 @@ class TensorReader:
     vproj = self.linear(a + "v_proj.weight", k * d, h, (k, d))
     gate = self.linear(prefix + "mlp.gate_proj.weight", i, h)
     up = self.linear(prefix + "mlp.up_proj.weight", i, h)
+    wq = self.linear(a + "q_proj.weight", n * d, h, (n, d))
     return LayerParams(
         input_norm=self.get(prefix + "input_layernorm.weight", (h,)),
-        wq=self.linear(a + "q_proj.weight", n * d, h, (n, d)),
-        wkv=Stacked([kproj, vproj], axis=1),
+        wq=None if fuse_qkv else wq,
+        wkv=None if fuse_qkv else Stacked([kproj, vproj], axis=1),
         wo=self.get(a + "o_proj.weight", (h, n * d), lambda t: t.T.reshape(n, d, h)),
         q_norm=self.get(a + "q_norm.weight", (d,)) if cfg.qk_norm else None,
         k_norm=self.get(a + "k_norm.weight", (d,)) if cfg.qk_norm else None,
         post_norm=self.get(prefix + "post_attention_layernorm.weight", (h,)),
         w_gate_up=Stacked([gate, up], axis=1),
         w_down=self.linear(prefix + "mlp.down_proj.weight", h, i),
+        wqkv=Joined([wq, kproj, vproj], axis=1) if fuse_qkv else None,
     )
 
 
@@ -185,12 +208,18 @@ def _place_sharded(host, dtype, mesh, rules):
   return place(host, dtype, sharding.shardings(host, sharding.check_mesh(mesh), rules))
 
 
-def load_target_params(path: str, cfg: ModelConfig, dtype, mesh=None, rules=None) -> Params:
+def load_target_params(path: str, cfg: ModelConfig, dtype, mesh=None, rules=None,
+                       fuse_qkv: bool = False) -> Params:
+  """The target's weights on the device (or `mesh`); fuse_qkv (one device): `model.fuse_qkv`'s
+  layout, concatenated on the host."""
+  if fuse_qkv and mesh is not None:
+    raise ValueError("fuse_qkv is for one device: on a mesh q and kv heads shard on their own "
+                     "axes (load with fuse_qkv=False)")
   r = TensorReader(read_checkpoint_tensors(path), path)
   v, h = cfg.vocab_size, cfg.hidden_size
   host = Params(
       embed=r.get("model.embed_tokens.weight", (v, h)),
-      layers=[r.layer(f"model.layers.{i}.", cfg) for i in range(cfg.num_layers)],
+      layers=[r.layer(f"model.layers.{i}.", cfg, fuse_qkv) for i in range(cfg.num_layers)],
       final_norm=r.get("model.norm.weight", (h,)),
       lm_head=None if cfg.tie_word_embeddings else r.linear("lm_head.weight", v, h),
   )
@@ -203,16 +232,15 @@ def load_target(path: str, dtype="bfloat16", mesh=None, rules=None, fuse_qkv: bo
   With a `mesh` (sharding.make_mesh) every tensor goes straight from the memory map onto its
   shards, laid out by `rules` (default sharding.ShardingRules(): tensor parallel over "tp");
   dimensions that do not divide the mesh are refused with a ValueError (see sharding.py).
-  On one device (no mesh) each layer's q and k/v weights become one wqkv (`model.fuse_qkv`: one
-  projection GEMM per layer) unless fuse_qkv=False.
+  On one device (no mesh) each layer's q and k/v weights become one wqkv (`model.fuse_qkv`'s
+  layout, concatenated on the host: one projection GEMM per layer) unless fuse_qkv=False; fused
+  params cannot be sharded (nor an orbax checkpoint of them restored onto a mesh).
   """
   cfg = config_from_hf(read_config(path))
   dtype = parse_dtype(dtype)
   if mesh is not None:
     rules = rules or sharding.DEFAULT_RULES
-  params = load_target_params(path, cfg, dtype, mesh, rules)
-  if mesh is None and fuse_qkv:
-    params = model.fuse_qkv(params)
+  params = load_target_params(path, cfg, dtype, mesh, rules, fuse_qkv=mesh is None and fuse_qkv)
   return Target(params=params, config=cfg, tokenizer=load_tokenizer(path), path=path, mesh=mesh,
                 rules=rules)
 

@@ -101,12 +101,21 @@ def fuse_qkv(params: Params) -> Params:
   (`pallas.project_qk_norm_rope`): with two weights XLA merged the projections into one GEMM
   anyway (at 33-65 rows on the H200) but then copied its output into the kernel's operand
   (WORKSPACE.md, fourteenth and fifteenth sessions). One device only: on a mesh q and kv heads
-  are sharded on their own axes (`sharding.py` refuses fused weights). Fused layers are kept."""
+  are sharded on their own axes (`sharding.py` refuses fused weights, and this refuses sharded
+  ones). Fused layers are kept. `checkpoint.load_target` builds the same layout on the host."""
   def fuse(layer):
     if layer.wqkv is not None:
       return layer
+    if layer.wq is None or layer.wkv is None:
+      raise ValueError("fuse_qkv: a layer has neither wqkv nor both wq and wkv")
     if isinstance(layer.wq, Int8Weight) or isinstance(layer.wkv, Int8Weight):
       raise ValueError("fuse_qkv: int8 q/k/v weights are not supported (drafters keep wq, wkv)")
+    if layer.wq.dtype != layer.wkv.dtype:
+      raise ValueError(f"fuse_qkv: wq is {layer.wq.dtype} but wkv {layer.wkv.dtype}")
+    if any(len(w.sharding.device_set) > 1 for w in (layer.wq, layer.wkv)
+           if isinstance(w, jax.Array) and not isinstance(w, jax.core.Tracer)):
+      raise ValueError("fuse_qkv: params sharded over several devices cannot be fused (q and kv "
+                       "heads shard on their own axes); fuse on one device")
     h, _, d = layer.wq.shape
     wqkv = jnp.concatenate([layer.wq, layer.wkv.reshape(h, -1, d)], axis=1)
     return dataclasses.replace(layer, wq=None, wkv=None, wqkv=wqkv)
@@ -306,9 +315,10 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, cache: KVCache,
   Args:
     tokens, positions: [B, T] int32. new_mask: [B, T, T] bool visibility among the new tokens.
     tap_layers: layer ids whose residual outputs are returned (HF hidden_states[id + 1]).
-    attn_fn, embed_fn, qk_fn, res_fn: the attention, the embedding lookup, the q/k norm + RoPE
-      (`norm_rope` when None; per-shard versions of these three on a mesh) and the residual add
-      + RMSNorm after o and down (`residual_norm` when None).
+    attn_fn, embed_fn, qk_fn, res_fn: the attention, the embedding lookup, the q/k/v
+      projection + q/k norm + RoPE (`qk_fn(layer, h, cos, sin, *, eps) -> q, k, v`;
+      `project_norm_rope` when None; per-shard versions of these three on a mesh) and the
+      residual add + RMSNorm after o and down (`residual_norm` when None).
   Returns:
     hidden [B, T, H] after the final norm; new_k, new_v: per layer [B, T, K, D];
     taps [B, T, len(tap_layers) * H] (concatenated in tap_layers order) or None.

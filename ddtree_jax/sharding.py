@@ -121,7 +121,8 @@ def _w(w, *spec):
 def _layer_specs(layer: LayerParams, mesh, rules) -> LayerParams:
   if layer.wqkv is not None:
     raise ValueError("fused q/k/v weights (model.fuse_qkv) cannot be sharded: q and kv heads "
-                     "split on their own axes; shard the unfused params")
+                     "split on their own axes; shard unfused params (checkpoint.load_target("
+                     "..., fuse_qkv=False), or give load_target the mesh)")
   hd = _axis(mesh, rules, "heads", layer.wq.shape[1], "query heads")
   kv = _axis(mesh, rules, "kv_heads", layer.wkv.shape[2], "kv heads")
   ml = _axis(mesh, rules, "mlp", layer.w_down.shape[0], "intermediate_size")
@@ -341,7 +342,8 @@ def shard_qk_norm_rope(qk_fn: Callable, mesh: Mesh, rules: ShardingRules | None 
 
   def wrapped(layer, h, cos, sin, *, eps):
     if layer.wqkv is not None:
-      raise ValueError("fused q/k/v weights (model.fuse_qkv) are for one device only")
+      raise ValueError("fused q/k/v weights (model.fuse_qkv) are for one device only: on a "
+                       "mesh use unfused params (checkpoint.load_target(..., fuse_qkv=False))")
     q, kv = model.dense("bth,hnd->btnd", h, layer.wq), model.dense("bth,hskd->btskd", h, layer.wkv)
     q_norm, k_norm = layer.q_norm, layer.k_norm
     bt, hd, kv_ax = _head_axes(mesh, rules, q.shape[0], q.shape[2], kv.shape[3])

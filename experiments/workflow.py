@@ -311,8 +311,9 @@ def random_like(abstract, seed: int, std: float = 0.02):
   return init(jax.random.key(seed, impl="unsafe_rbg"))
 
 
-def random_target(shape, dtype="bfloat16", seed: int = 0, mesh=None):
-  """A Target of random weights with the architecture `shape` (no tokenizer, no eos)."""
+def random_target(shape, dtype="bfloat16", seed: int = 0, mesh=None, fuse_qkv: bool = True):
+  """A Target of random weights with the architecture `shape` (no tokenizer, no eos); on one
+  device its q/k/v weights fused as `checkpoint.load_target` does (unless fuse_qkv=False)."""
   import functools  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
   from ddtree_jax import checkpoint, model, sharding  # pylint: disable=import-outside-toplevel
@@ -323,6 +324,8 @@ def random_target(shape, dtype="bfloat16", seed: int = 0, mesh=None):
   params = random_like(abstract, seed)
   rules = sharding.DEFAULT_RULES if mesh is not None else None
   params = sharding.shard_params(params, mesh, rules)
+  if mesh is None and fuse_qkv:
+    params = model.fuse_qkv(params)
   return checkpoint.Target(params=params, config=cfg, tokenizer=None,
                            path=f"random:{shape.model_type}", mesh=mesh, rules=rules)
 

@@ -148,6 +148,43 @@ def test_split_rule_and_xla_path_of_fused_layers():
         dataclasses.replace(unfused, wq=model.quantize_int8(unfused.wq))]))
   with pytest.raises(ValueError, match="own wkv"):
     model.project_kv(layer, None, h, cos, sin)
+  params = lambda *layers: model.Params(embed=None, final_norm=None, lm_head=None,
+                                        layers=list(layers))
+  with pytest.raises(ValueError, match="wq is float32 but wkv bfloat16"):
+    model.fuse_qkv(params(dataclasses.replace(unfused, wkv=unfused.wkv.astype(jnp.bfloat16))))
+  with pytest.raises(ValueError, match="neither wqkv nor both"):
+    model.fuse_qkv(params(dataclasses.replace(unfused, wkv=None)))
+  mesh = sharding.make_mesh({"dp": 1, "tp": 2})
+  sharded = jax.device_put(unfused.wq, NamedSharding(mesh, P(None, "tp")))
+  with pytest.raises(ValueError, match="sharded over several devices"):
+    model.fuse_qkv(params(dataclasses.replace(unfused, wq=sharded)))
+  fused_twice = model.fuse_qkv(params(layer)).layers[0]
+  assert fused_twice.wqkv is layer.wqkv
+
+
+@pytest.mark.parametrize("case", ["no_norms", "half_dim_not_pow2", "mixed_dtypes"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_project_hook_takes_xla_path_where_kernel_does_not_apply(case, fused):
+  """Where the kernel would fall back (Llama, D/2 not a power of two, a float32 norm with bf16
+  activations), the hook is `model.project_norm_rope` as it is: no kernel and no split-K, even
+  at row counts where `default_splits` splits."""
+  d = 24 if case == "half_dim_not_pow2" else 16
+  dtype = jnp.bfloat16 if case == "mixed_dtypes" else jnp.float32
+  layer = _layer(32, 4, 2, d, dtype, fused=fused)
+  if case == "no_norms":
+    layer = dataclasses.replace(layer, q_norm=None, k_norm=None)
+  if case == "mixed_dtypes":
+    layer = dataclasses.replace(layer, q_norm=layer.q_norm.astype(jnp.float32))
+  _, _, _, _, cos, sin = _inputs(1, 40, 4, 2, d, dtype)
+  h = jnp.asarray(np.random.default_rng(3).standard_normal((1, 40, 32)), dtype)
+  assert qk_lib.default_splits(40) == 2
+  hook = functools.partial(qk_lib.project_qk_norm_rope, eps=1e-6)
+  jaxpr = str(jax.make_jaxpr(hook)(layer, h, cos, sin))
+  assert "pallas_call" not in jaxpr and "float32[2," not in jaxpr
+  want = jax.jit(functools.partial(model.project_norm_rope, eps=1e-6))(layer, h, cos, sin)
+  for g, w in zip(jax.jit(hook)(layer, h, cos, sin), want):
+    assert g.dtype == w.dtype
+    np.testing.assert_array_equal(g, w)
 
 
 @pytest.mark.parametrize("t,n,k", [(1, 32, 8), (33, 32, 8), (65, 32, 8), (65, 40, 8), (7, 6, 2),
@@ -215,10 +252,27 @@ def test_loaded_target_is_fused_and_exports_the_same(tmp_path):
   assert sorted(a) == sorted(b)
   for name in a:
     np.testing.assert_array_equal(a[name], b[name])
+  for host, dev in zip(fused.params.layers, model.fuse_qkv(plain.params).layers):
+    np.testing.assert_array_equal(host.wqkv, dev.wqkv)  # concatenated on the host = on device
   mesh = sharding.make_mesh({"dp": 2, "tp": 1})
   assert dj.load_target(path, dtype="float32", mesh=mesh).params.layers[0].wqkv is None
-  with pytest.raises(ValueError, match="fused q/k/v"):
+  with pytest.raises(ValueError, match="fuse_qkv=False"):
     sharding.shard_params(fused.params, mesh)
+  with pytest.raises(ValueError, match="fuse_qkv is for one device"):
+    checkpoint.load_target_params(path, cfg, jnp.float32, mesh=mesh, fuse_qkv=True)
+
+
+def test_joined_reads_slices_of_the_concatenation():
+  from ddtree_jax import checkpoint  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(0)
+  parts = [rng.standard_normal((3, n, 4)) for n in (5, 2, 2)]
+  joined, want = checkpoint.Joined(parts, axis=1), np.concatenate(parts, axis=1)
+  assert joined.shape == want.shape
+  for idx in [..., (slice(None),), (slice(1, 3), slice(4, 8)), (slice(None), slice(6, None),
+                                                                 slice(0, 2))]:
+    np.testing.assert_array_equal(joined[idx], want[idx])
+  with pytest.raises(TypeError, match="slices only"):
+    joined[0]
 
 
 def test_fused_decode_with_forced_splits_is_lossless(monkeypatch, tmp_path):

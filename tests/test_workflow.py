@@ -117,6 +117,7 @@ def test_random_models_from_shape():
   workflow.validate(cfg)
   target, drafter = workflow.load_models(cfg)
   assert target.config.num_layers == 3 and target.config.qk_norm and target.tokenizer is None
+  assert all(l.wqkv is not None and l.wq is None for l in target.params.layers)  # as load_target
   assert drafter.config.block_size == 4 and drafter.config.mask_token_id == 63
   assert all(0 <= i < 3 for i in drafter.config.target_layer_ids)
   prompts = workflow.make_prompts(cfg, target, 3)  # no tokenizer: random token prompts

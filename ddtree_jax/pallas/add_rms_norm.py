@@ -12,7 +12,8 @@ rounded to x's dtype, the add rounded, then `model.rms_norm`.
 On the H200 (Qwen3-8B, B=64 verify, 65 rows; WORKSPACE.md, fourteenth session) the o site went
 from ~680 us per step (GEMM, ~half of the sum + add kernels, ~half of the norms) to 436 + 121 us
 and the down site stayed even (S=8; with S=4 XLA split the batched dot again and added a reduce
-kernel). `default_splits` uses it at 64-128 rows only.
+kernel); loading all S partials as one [S, H] block then cut the down site's kernel from 200
+to 146 us per step (fifteenth session). `default_splits` uses it at 64-128 rows only.
 """
 
 from __future__ import annotations
