@@ -90,8 +90,12 @@ def context_kv(params: DrafterParams, cfg: DrafterConfig, taps, positions):
     kv = [model.project_kv(layer, lc, ctx, cos, sin) for layer in params.layers]
   else:
     stacked = model.dense("brh,hlskd->brlskd", ctx, params.context_wkv)
-    kv = [model.kv_rows(layer, lc, stacked[:, :, i], cos, sin)
-          for i, layer in enumerate(params.layers)]
+    b, r, n_layers, _, kh, d = stacked.shape
+    k, v = stacked[:, :, :, 0], stacked[:, :, :, 1]  # [B, R, L, K, D]
+    if lc.qk_norm:  # every layer's k norm over the stacked rows: one kernel, not one per layer
+      k = model.rms_norm(k, jnp.stack([l.k_norm for l in params.layers])[:, None], lc.rms_norm_eps)
+    k = model.apply_rope(k.reshape(b, r, n_layers * kh, d), cos, sin).reshape(k.shape)
+    return [k[:, :, i] for i in range(n_layers)], [v[:, :, i] for i in range(n_layers)]
   return [k for k, _ in kv], [v for _, v in kv]
 
 

@@ -74,21 +74,29 @@ def _build_one(draft_logits, root_token, budget: int, k: int) -> DraftTree:
   tok1 = jnp.pad(top_toks[0], (0, pad), constant_values=-1)
   par1 = jnp.zeros((budget,), jnp.int32)
   pj, pr = map(jnp.asarray, _pairs(budget, k))
+  p = pj.shape[0]
+  iota_p = jnp.arange(p, dtype=jnp.int32)
 
-  def step(beam_score, xs):  # beam_{d-1} -> beam_d
-    logq_d, toks_d = xs
-    cand = beam_score[pj] + logq_d[pr]  # [P], P >= B
-    score, (tok, par) = select_top(cand, budget, (toks_d[pr], pj))
-    return score, (score, tok, par)
-
-  # Unrolled: as a loop XLA wrote each depth's three beam rows with a 128-byte memcpy and copied
-  # the carry, 4 memcpys per depth. Batch 1, B=32 on an H200 (WORKSPACE.md, tenth session): a
-  # build alone took 121 against 174 us; inside the decode step the tree stage went 139 -> 130
-  # us and the copies outside any stage 48 -> 5 us.
-  _, (score_r, tok_r, par_r) = jax.lax.scan(step, score1, (logq[1:], top_toks[1:]), unroll=True)
-  beam_score = jnp.concatenate([score1[None], score_r])  # [L, B]
-  beam_tok = jnp.concatenate([tok1[None], tok_r])
-  beam_par = jnp.concatenate([par1[None], par_r])  # rank in beam_{d-1}
+  # Depth by depth (unrolled): the candidates of depth d are ranked (one kernel), then one
+  # multi-output reduce over the same [P, P] one-hot picks beam_d (entries of rank < B, padded to
+  # P so that every reduce has one shape) and builds depth d+1's candidates straight from
+  # beam_d's ranks: 2 kernels per depth, where XLA made 3 of rank, pick and gather.
+  # (Unrolled because as a scan XLA copied each depth's rows and the carry: 4 memcpys per depth,
+  # WORKSPACE.md, tenth session.)
+  cand = score1[pj] + logq[1][pr] if depth > 1 else None  # [P]
+  beams = [(score1, tok1, par1)]
+  for d in range(1, depth):
+    rank = ranks(cand)
+    pick = rank[None, :] == iota_p[:, None]  # [P, P]: row i picks the candidate of rank i
+    one = lambda x, sel=pick: jnp.sum(jnp.where(sel, x[None, :], 0), axis=1, dtype=x.dtype)
+    beams.append((one(cand)[:budget], one(top_toks[d][pr])[:budget], one(pj)[:budget]))
+    if d + 1 < depth:  # candidate p's parent is beam_d's entry pj[p]: the one of rank pj[p].
+      # The add sits inside the sum (one nonzero term: the same float add) so that XLA keeps it
+      # in this kernel; after the sum it went into the next rank's kernel, which then wrote
+      # its [P, P] compare out first (one more kernel).
+      cand = jnp.sum(jnp.where(rank[None, :] == pj[:, None],
+                               cand[None, :] + logq[d + 1][pr][:, None], 0.0), axis=1)
+  beam_score, beam_tok, beam_par = (jnp.stack(x) for x in zip(*beams))  # [L, B]; par: rank in beam_{d-1}
 
   # Global top-B; ties to the lower index of the depth-major layout, i.e. by depth ascending.
   flat_ids = jnp.arange(depth * budget, dtype=jnp.int32)
@@ -124,13 +132,18 @@ def select_top(x, k: int, payloads=()):
   if p > RANK_SELECT_MAX:
     vals, idx = jax.lax.top_k(x, k, is_stable=True)
     return vals, tuple(pl[idx] for pl in payloads)
-  i = jnp.arange(p, dtype=jnp.int32)
-  beats = (x[None, :] > x[:, None]) | ((x[None, :] == x[:, None]) & (i[None, :] < i[:, None]))
-  rank = jnp.sum(beats, axis=1, dtype=jnp.int32)  # a permutation of 0..P-1
-  pick = rank[None, :] == jnp.arange(k, dtype=jnp.int32)[:, None]  # [k, P], one True per row
+  pick = ranks(x)[None, :] == jnp.arange(k, dtype=jnp.int32)[:, None]  # [k, P], one True per row
   vals = jnp.sum(jnp.where(pick, x[None, :], 0.0), axis=1)  # exact: one term per row
   return vals, tuple(jnp.sum(jnp.where(pick, pl[None, :], 0), axis=1, dtype=pl.dtype)
                      for pl in payloads)
+
+
+def ranks(x):
+  """x [P] -> rank [P] int32, a permutation of 0..P-1: #{j beating i}, where j beats i if x[j] >
+  x[i], or they are equal and j < i (the order of a stable descending sort)."""
+  i = jnp.arange(x.shape[-1], dtype=jnp.int32)
+  beats = (x[None, :] > x[:, None]) | ((x[None, :] == x[:, None]) & (i[None, :] < i[:, None]))
+  return jnp.sum(beats, axis=1, dtype=jnp.int32)
 
 
 def top_k(x, k: int, chunk: int | None = None):

@@ -39,6 +39,8 @@ flags.DEFINE_integer("batch", 1, "batch size")
 flags.DEFINE_integer("prefix", 1024, "committed prefix length")
 flags.DEFINE_integer("tp", 1, "tensor-parallel devices (a mesh of that many H200s when > 1)")
 flags.DEFINE_bool("drafter_int8", False, "an int8 (W8A8) drafter (drafter.quantize_int8)")
+flags.DEFINE_integer("draft_vocab_first", 0, "draft over ids 0..N-1 only (drafter.restrict_vocab), "
+                     "as profile_step.py's flag; 0 = the full vocabulary")
 flags.DEFINE_string("hlo_dir", "", "write each optimized HLO here, count its collectives and its "
                     "loop body's kernels per stage")
 flags.DEFINE_bool("triton", False, "lower the Pallas kernels to Triton for an abstract H200 (as on "
@@ -95,6 +97,9 @@ def main(_):
   dparams = jax.eval_shape(lambda: bench_step.make_drafter(tcfg, jax.random.key(1), FLAGS.small)[0])
   if FLAGS.drafter_int8:
     dparams = jax.eval_shape(drafter_lib.quantize_int8, dparams, tparams)
+  if FLAGS.draft_vocab_first:
+    dparams = jax.eval_shape(lambda d, t: drafter_lib.restrict_vocab(
+        d, t, np.arange(FLAGS.draft_vocab_first)), dparams, tparams)
   attention = FLAGS.attention.split(",")[0]
   print(f"tp={FLAGS.tp}")
   print(f"{'run':<12}{'attention':>10}{'batch':>6}{'lower s':>9}{'compile s':>11}", flush=True)
