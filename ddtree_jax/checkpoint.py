@@ -87,10 +87,13 @@ class Stacked:
 
 class Joined:
   """A lazy np.concatenate of host tensors along `axis` (model.fuse_qkv's wqkv, made on the host
-  so that no device holds the separate weights too). Indexed by slices (or `...`) only."""
+  so that no device holds the separate weights too). Indexed by slices only (or `...` alone)."""
 
   def __init__(self, parts, axis: int):
     self.parts, self.axis = list(parts), axis
+    off_axis = lambda p: p.shape[:axis] + p.shape[axis + 1:]
+    if any(off_axis(p) != off_axis(parts[0]) for p in parts):
+      raise ValueError(f"Joined: parts {[p.shape for p in parts]} differ off axis {axis}")
     size = sum(p.shape[axis] for p in parts)
     self.shape = parts[0].shape[:axis] + (size,) + parts[0].shape[axis + 1:]
 
@@ -107,7 +110,7 @@ class Joined:
 
 class TensorReader:
   """Fetches named tensors with shape checks as lazy host views in our [in, out] layouts
-  (memory-mapped numpy views or `Stacked`); nothing is read until `place` slices them."""
+  (memory-mapped numpy views, `Stacked` or `Joined`); nothing is read until `place` slices them."""
 
   def __init__(self, tensors: dict[str, np.ndarray], source: str):
     self.tensors, self.source = tensors, source
@@ -154,7 +157,7 @@ class TensorReader:
 
 
 def place(host_tree, dtype, shardings=None):
-  """Host tensors (numpy views / Stacked) -> device arrays of `dtype`.
+  """Host tensors (numpy views / Stacked / Joined) -> device arrays of `dtype`.
 
   Without shardings each tensor goes whole to the default device. With a NamedSharding pytree
   every device receives only its own shard, read and converted from the memory map by

@@ -92,7 +92,7 @@ def context_kv(params: DrafterParams, cfg: DrafterConfig, taps, positions):
     stacked = model.dense("brh,hlskd->brlskd", ctx, params.context_wkv)
     b, r, n_layers, _, kh, d = stacked.shape
     k, v = stacked[:, :, :, 0], stacked[:, :, :, 1]  # [B, R, L, K, D]
-    if lc.qk_norm:  # every layer's k norm over the stacked rows: one kernel, not one per layer
+    if params.layers[0].k_norm is not None:  # every layer's k norm at once: one kernel
       k = model.rms_norm(k, jnp.stack([l.k_norm for l in params.layers])[:, None], lc.rms_norm_eps)
     k = model.apply_rope(k.reshape(b, r, n_layers * kh, d), cos, sin).reshape(k.shape)
     return [k[:, :, i] for i in range(n_layers)], [v[:, :, i] for i in range(n_layers)]

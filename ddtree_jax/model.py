@@ -114,7 +114,7 @@ def fuse_qkv(params: Params) -> Params:
       raise ValueError(f"fuse_qkv: wq is {layer.wq.dtype} but wkv {layer.wkv.dtype}")
     if any(len(w.sharding.device_set) > 1 for w in (layer.wq, layer.wkv)
            if isinstance(w, jax.Array) and not isinstance(w, jax.core.Tracer)):
-      raise ValueError("fuse_qkv: params sharded over several devices cannot be fused (q and kv "
+      raise ValueError("fuse_qkv: params placed on several devices cannot be fused (q and kv "
                        "heads shard on their own axes); fuse on one device")
     h, _, d = layer.wq.shape
     wqkv = jnp.concatenate([layer.wq, layer.wkv.reshape(h, -1, d)], axis=1)

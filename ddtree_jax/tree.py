@@ -83,13 +83,23 @@ def _build_one(draft_logits, root_token, budget: int, k: int) -> DraftTree:
   # beam_d's ranks: 2 kernels per depth, where XLA made 3 of rank, pick and gather.
   # (Unrolled because as a scan XLA copied each depth's rows and the carry: 4 memcpys per depth,
   # WORKSPACE.md, tenth session.)
+  # Past RANK_SELECT_MAX pairs (B > ~300) the [P, P] matrices cost more than a sort: select_top.
   cand = score1[pj] + logq[1][pr] if depth > 1 else None  # [P]
   beams = [(score1, tok1, par1)]
   for d in range(1, depth):
+    if p > RANK_SELECT_MAX:
+      score, (tok, par) = select_top(cand, budget, (top_toks[d][pr], pj))
+      beams.append((score, tok, par))
+      if d + 1 < depth:
+        cand = score[pj] + logq[d + 1][pr]
+      continue
     rank = ranks(cand)
     pick = rank[None, :] == iota_p[:, None]  # [P, P]: row i picks the candidate of rank i
-    one = lambda x, sel=pick: jnp.sum(jnp.where(sel, x[None, :], 0), axis=1, dtype=x.dtype)
-    beams.append((one(cand)[:budget], one(top_toks[d][pr])[:budget], one(pj)[:budget]))
+
+    def picked(x, sel=pick):
+      return jnp.sum(jnp.where(sel, x[None, :], 0), axis=1, dtype=x.dtype)[:budget]
+
+    beams.append((picked(cand), picked(top_toks[d][pr]), picked(pj)))
     if d + 1 < depth:  # candidate p's parent is beam_d's entry pj[p]: the one of rank pj[p].
       # The add sits inside the sum (one nonzero term: the same float add) so that XLA keeps it
       # in this kernel; after the sum it went into the next rank's kernel, which then wrote

@@ -156,25 +156,28 @@ def test_split_rule_and_xla_path_of_fused_layers():
     model.fuse_qkv(params(dataclasses.replace(unfused, wkv=None)))
   mesh = sharding.make_mesh({"dp": 1, "tp": 2})
   sharded = jax.device_put(unfused.wq, NamedSharding(mesh, P(None, "tp")))
-  with pytest.raises(ValueError, match="sharded over several devices"):
+  with pytest.raises(ValueError, match="placed on several devices"):
     model.fuse_qkv(params(dataclasses.replace(unfused, wq=sharded)))
   fused_twice = model.fuse_qkv(params(layer)).layers[0]
   assert fused_twice.wqkv is layer.wqkv
 
 
-@pytest.mark.parametrize("case", ["no_norms", "half_dim_not_pow2", "mixed_dtypes"])
-@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("case,fused", [(c, f) for c in ("no_norms", "half_dim_not_pow2",
+                                                          "mixed_dtypes") for f in (False, True)]
+                         + [("fused_weight_dtype", True)])
 def test_project_hook_takes_xla_path_where_kernel_does_not_apply(case, fused):
-  """Where the kernel would fall back (Llama, D/2 not a power of two, a float32 norm with bf16
-  activations), the hook is `model.project_norm_rope` as it is: no kernel and no split-K, even
-  at row counts where `default_splits` splits."""
+  """Where the kernel would fall back (Llama, D/2 not a power of two, a float32 norm or fused
+  weight with bf16 activations), the hook is `model.project_norm_rope` as it is: no kernel and
+  no split-K, even at row counts where `default_splits` splits."""
   d = 24 if case == "half_dim_not_pow2" else 16
-  dtype = jnp.bfloat16 if case == "mixed_dtypes" else jnp.float32
+  dtype = jnp.bfloat16 if case in ("mixed_dtypes", "fused_weight_dtype") else jnp.float32
   layer = _layer(32, 4, 2, d, dtype, fused=fused)
   if case == "no_norms":
     layer = dataclasses.replace(layer, q_norm=None, k_norm=None)
   if case == "mixed_dtypes":
     layer = dataclasses.replace(layer, q_norm=layer.q_norm.astype(jnp.float32))
+  if case == "fused_weight_dtype":
+    layer = dataclasses.replace(layer, wqkv=layer.wqkv.astype(jnp.float32))
   _, _, _, _, cos, sin = _inputs(1, 40, 4, 2, d, dtype)
   h = jnp.asarray(np.random.default_rng(3).standard_normal((1, 40, 32)), dtype)
   assert qk_lib.default_splits(40) == 2

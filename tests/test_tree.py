@@ -198,9 +198,16 @@ def test_value_errors():
 
 @pytest.mark.parametrize("budget", [256, 512])
 def test_large_budget_jit(budget):
+  """B=256 ranks its 1466 pairs per depth; B=512's 3280 pairs exceed RANK_SELECT_MAX and take a
+  stable top-k instead of [P, P] matrices. Both equal the heap's tree."""
   logits = np.random.default_rng(budget).standard_normal((15, 2000)).astype(np.float32) * 4
   tree = build_jit(jnp.asarray(logits), budget, None, jnp.int32(42))
   check_invariants(tree, logits, budget, root_token=42)
+  ref, _ = heap_tree(logits, budget)
+  assert prefixes_of(tree) == ref
+  p = len(tree_lib._pairs(budget, budget)[0])  # pylint: disable=protected-access
+  hlo = jax.jit(lambda x: build_tree(x, budget)).lower(jnp.asarray(logits)).as_text()
+  assert (f"<{p}x{p}x" in hlo) == (p <= tree_lib.RANK_SELECT_MAX), p
 
 
 @pytest.mark.parametrize("counts", [(6, 3, 2, 5), (1, 12, 1, 12), (16, 1, 16, 2)])

@@ -152,14 +152,14 @@ def project_qk_norm_rope(layer, h, cos, sin, *, eps, splits=None, interpret=None
   the kernel: h [B, T, H]. A fused layer (`model.fuse_qkv`) with splits (None:
   `default_splits`) >= 2 dividing H runs its projection as a batched dot over slices of H into
   float32 partials, which the kernel sums; otherwise `model.dense` (int8 weights too) feeds it.
-  Where the kernel does not apply (no q/k norms, D/2 not a power of two, h, weight, norms and
-  cos of more than one dtype): `model.project_norm_rope`, unsplit."""
-  w = layer.wq if layer.wqkv is None else layer.wqkv
-  dtypes = {h.dtype, cos.dtype} | ({w.dtype} if layer.wqkv is not None else set())
+  Where the kernel does not apply (no q/k norms, D/2 not a power of two, h, a fused weight,
+  norms and cos of more than one dtype): `model.project_norm_rope`, unsplit."""
+  w = layer.wqkv
+  dtypes = {h.dtype, cos.dtype} | ({w.dtype} if w is not None else set())
   if (layer.q_norm is None or layer.k_norm is None or
       not supported(cos.shape[-1], dtypes | {layer.q_norm.dtype, layer.k_norm.dtype})):
     return model.project_norm_rope(layer, h, cos, sin, eps=eps)
-  if layer.wqkv is None:
+  if w is None:
     return qk_norm_rope(model.dense("bth,hnd->btnd", h, layer.wq),
                         model.dense("bth,hskd->btskd", h, layer.wkv), layer.q_norm, layer.k_norm,
                         cos, sin, eps=eps, interpret=interpret)
