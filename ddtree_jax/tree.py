@@ -106,7 +106,8 @@ def _build_one(draft_logits, root_token, budget: int, k: int) -> DraftTree:
       # its [P, P] compare out first (one more kernel).
       cand = jnp.sum(jnp.where(rank[None, :] == pj[:, None],
                                cand[None, :] + logq[d + 1][pr][:, None], 0.0), axis=1)
-  beam_score, beam_tok, beam_par = (jnp.stack(x) for x in zip(*beams))  # [L, B]; par: rank in beam_{d-1}
+  # [L, B] each; beam_par is the parent's rank in beam_{d-1}
+  beam_score, beam_tok, beam_par = (jnp.stack(x) for x in zip(*beams))
 
   # Global top-B; ties to the lower index of the depth-major layout, i.e. by depth ascending.
   flat_ids = jnp.arange(depth * budget, dtype=jnp.int32)

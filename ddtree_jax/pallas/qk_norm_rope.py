@@ -2,9 +2,9 @@
 the q/k/v projections' output or its split-K partials.
 
 `project_qk_norm_rope` has `model.project_norm_rope`'s contract (the `qk_fn` hook),
-`qk_norm_rope` that of `model.norm_rope`. After the q and k/v projections XLA runs five small kernels
-per layer (the split-K sum with v's slice, k's norm, k's RoPE, q's norm, q's RoPE: RoPE's
-rotate-half concatenate keeps it out of the norm's fusion); this kernel does all of it. It reads
+`qk_norm_rope` that of `model.norm_rope`. After the q and k/v projections XLA runs five small
+kernels per layer (the split-K sum with v's slice, k's norm, k's RoPE, q's norm, q's RoPE:
+RoPE's rotate-half concatenate keeps it out of the norm's fusion); this kernel does all of it. It reads
 one operand [S, R, N + 2K, D] (q heads, k heads, v heads per token row): S split-K partials of
 the projection (float32, summed here in split order) or S = 1, the projection itself. With a
 fused weight (`model.fuse_qkv`), `project_qk_norm_rope` makes the split explicit (a batched dot
