@@ -68,6 +68,13 @@ def read_config(path: str) -> dict[str, Any]:
     return json.load(f)
 
 
+def _full_index(idx, ndim: int) -> tuple:
+  """An index (one entry, a tuple, or `...` alone) as a tuple of ndim entries."""
+  idx = tuple(idx) if isinstance(idx, tuple) else (idx,)
+  idx = () if idx == (Ellipsis,) else idx
+  return idx + (slice(None),) * (ndim - len(idx))
+
+
 class Stacked:
   """A lazy np.stack of host tensors along `axis`: slicing reads only the requested region."""
 
@@ -76,10 +83,7 @@ class Stacked:
     self.shape = parts[0].shape[:axis] + (len(parts),) + parts[0].shape[axis:]
 
   def __getitem__(self, idx):
-    idx = tuple(idx) if isinstance(idx, tuple) else (idx,)
-    if idx == (Ellipsis,):
-      idx = ()
-    idx = idx + (slice(None),) * (len(self.shape) - len(idx))
+    idx = _full_index(idx, len(self.shape))
     rest = idx[:self.axis] + idx[self.axis + 1:]
     picked = range(len(self.parts))[idx[self.axis]]
     return np.stack([np.asarray(self.parts[i][rest]) for i in picked], axis=self.axis)
@@ -98,9 +102,7 @@ class Joined:
     self.shape = parts[0].shape[:axis] + (size,) + parts[0].shape[axis + 1:]
 
   def __getitem__(self, idx):
-    idx = idx if isinstance(idx, tuple) else (idx,)
-    idx = () if idx == (Ellipsis,) else idx
-    idx = idx + (slice(None),) * (len(self.shape) - len(idx))
+    idx = _full_index(idx, len(self.shape))
     if not all(isinstance(i, slice) for i in idx):
       raise TypeError(f"Joined is indexed by slices only, got {idx}")
     whole = idx[:self.axis] + (slice(None),) + idx[self.axis + 1:]
