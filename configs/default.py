@@ -69,6 +69,8 @@ def get_config():
   c.seed = 0
   c.topk_cap = 0                                     # ddtree tokens kept per depth (0 = budget)
   c.ignore_eos = False                               # True: never stop early (benchmarks)
+  c.steps_per_check = 1                              # decode steps per host check of the stop
+                                                     # condition (> 1: idle steps at the end)
   c.out_dir = "out/default"                          # CSV / JSON / PNG outputs of the scripts
 
   # Benchmark matrix (experiments/bench_matrix.py): methods x budgets x batches.

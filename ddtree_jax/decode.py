@@ -42,6 +42,8 @@ class LoopConfig:
                                   # add + RMSNorm kernels
   mesh: Any = None                # jax.sharding.Mesh: state constrained, kernels per shard
   rules: Any = None               # sharding.ShardingRules (None: the defaults)
+  steps_per_check: int = 1        # steps between two checks of the loop's stop condition
+                                  # (each check is a host round trip; see decode_loop)
 
   @property
   def attn_fn(self):
@@ -139,7 +141,9 @@ def _advance(lc, dparams, dcfg, state, new_k, new_v, taps, src, emitted, tau, ke
       cache=cache, draft_cache=draft_cache,
       bonus=jnp.where(count > 0, last, state.bonus), out=out, n_out=n_out,
       done=state.done | hit | (n_out >= lc.max_new_tokens),
-      accepted=state.accepted.at[state.step].set(count), step=state.step + 1, key=key)
+      # a step of sequences that are all done (steps_per_check > 1) commits nothing, not counted
+      accepted=state.accepted.at[state.step].set(count),
+      step=state.step + jnp.any(~state.done).astype(jnp.int32), key=key)
 
 
 def make_tree(lc: LoopConfig, draft_logits, bonus, draft_vocab=None):
@@ -226,9 +230,19 @@ def prefill(tparams, dparams, tokens, lens, key, *, tcfg, dcfg, lc: LoopConfig, 
 
 @functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "lc"), donate_argnames=("state",))
 def decode_loop(tparams, dparams, state, *, tcfg, dcfg, lc: LoopConfig):
-  """Steps until every sequence is done, all inside one `lax.while_loop`."""
+  """Steps until every sequence is done, all inside one `lax.while_loop`.
+
+  XLA:GPU evaluates a while loop's condition on the host: each iteration copies the predicate
+  back and waits for it, so the device idles until the host launches the next iteration (~80 us
+  of a 6 ms Qwen3-8B DDTree B=64 step on the H200; WORKSPACE.md, seventeenth session). With
+  lc.steps_per_check = K > 1 an iteration runs K steps as a fixed-trip loop (no check between
+  them): one round trip per K steps, and up to K - 1 steps at the end compute for sequences
+  that are all done (they commit nothing and are not counted)."""
   max_steps = max(lc.max_new_tokens - 1, 0)  # every active step emits at least one token
   cond = lambda s: (s.step < max_steps) & ~jnp.all(s.done)
-  body = lambda s: sharding.constrain(step(tparams, tcfg, dparams, dcfg, lc, s), lc.mesh,
-                                      lc.rules)
+  one = lambda s: sharding.constrain(step(tparams, tcfg, dparams, dcfg, lc, s), lc.mesh,
+                                     lc.rules)
+  body = one
+  if lc.steps_per_check > 1:
+    body = lambda s: jax.lax.fori_loop(0, lc.steps_per_check, lambda _, s: one(s), s)
   return jax.lax.while_loop(cond, body, state)

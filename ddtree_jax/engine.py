@@ -37,7 +37,7 @@ def _default_attention() -> str:
 
 
 def _validate(target, prompts, method, max_new_tokens, drafter, budget, topk_cap, attention,
-              temperature, top_k, top_p):
+              temperature, top_k, top_p, steps_per_check):
   if method not in decode.METHODS:
     raise ValueError(f"unknown method {method!r}; choose one of {decode.METHODS}")
   if attention not in decode.ATTENTIONS:
@@ -52,6 +52,8 @@ def _validate(target, prompts, method, max_new_tokens, drafter, budget, topk_cap
       raise ValueError(f"prompt {i} has token ids {bad[:5]} outside [0, {target.config.vocab_size})")
   if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+  if not isinstance(steps_per_check, (int, np.integer)) or steps_per_check < 1:
+    raise ValueError(f"steps_per_check must be an integer >= 1, got {steps_per_check!r}")
   if temperature < 0:
     raise ValueError(f"temperature must be >= 0, got {temperature}")
   if top_k is not None and top_k < 1:
@@ -88,11 +90,11 @@ def _programs(args, capacity, statics):
 
 
 def _prepare(target, prompts, *, method, max_new_tokens, temperature, seed, stop_token_ids,
-             drafter, budget, topk_cap, cache_capacity, attention, top_k, top_p):
+             drafter, budget, topk_cap, cache_capacity, attention, top_k, top_p, steps_per_check):
   """Validates a request and lays it out in static shapes: (args, capacity, statics)."""
   attention = attention or _default_attention()
   _validate(target, prompts, method, max_new_tokens, drafter, budget, topk_cap, attention,
-            temperature, top_k, top_p)
+            temperature, top_k, top_p, steps_per_check)
   stop = target.config.eos_token_ids if stop_token_ids is None else tuple(stop_token_ids)
   lens = np.array([len(p) for p in prompts], np.int32)
   need = int(lens.max()) + max_new_tokens - 1
@@ -113,7 +115,7 @@ def _prepare(target, prompts, *, method, max_new_tokens, temperature, seed, stop
       budget=int(budget) if method == "ddtree" else 0, topk_cap=topk_cap,
       temperature=float(temperature), top_k=top_k if temperature else None,
       top_p=top_p if temperature else None, stop_ids=tuple(int(s) for s in stop),
-      attention=attention)
+      attention=attention, steps_per_check=int(steps_per_check))
   mesh, rules = target.mesh, target.rules  # tensor/data parallel (sharding.py) when mesh is set
   lc = dataclasses.replace(lc, mesh=mesh, rules=rules)
   statics = dict(tcfg=target.config, dcfg=dcfg, lc=lc)
@@ -124,7 +126,8 @@ def _prepare(target, prompts, *, method, max_new_tokens, temperature, seed, stop
 
 
 _DEFAULTS = dict(temperature=0.0, seed=0, stop_token_ids=None, drafter=None, budget=None,
-                 topk_cap=None, cache_capacity=None, attention=None, top_k=None, top_p=None)
+                 topk_cap=None, cache_capacity=None, attention=None, top_k=None, top_p=None,
+                 steps_per_check=1)
 
 
 def compile_only(target: Target, prompts: Sequence[Sequence[int]], **kwargs) -> float:
@@ -174,7 +177,7 @@ def generate(target: Target, prompts: Sequence[Sequence[int]], *, method: str = 
              stop_token_ids=None, drafter: Drafter | None = None, budget: int | None = None,
              topk_cap: int | None = None, cache_capacity: int | None = None,
              attention: str | None = None, top_k: int | None = None,
-             top_p: float | None = None) -> GenerateResult:
+             top_p: float | None = None, steps_per_check: int = 1) -> GenerateResult:
   """Generates up to `max_new_tokens` per prompt with AR, chain (DFlash) or DDTree decoding.
 
   temperature > 0 samples from the target's distribution (optionally top_k / top_p filtered);
@@ -182,12 +185,15 @@ def generate(target: Target, prompts: Sequence[Sequence[int]], *, method: str = 
   every committed token is a genuine target sample (lossless). Same seed, same output.
   The cache holds `cache_capacity` rows per sequence (default: the longest prompt plus
   max_new_tokens, rounded up to 128); requests that do not fit are refused, never clamped.
+  steps_per_check > 1 checks the stop condition (a host round trip) once per that many steps,
+  at the price of up to steps_per_check - 1 idle steps at the end (`decode.decode_loop`); the
+  output and stats are the same.
   """
   args, capacity, statics = _prepare(
       target, prompts, method=method, max_new_tokens=max_new_tokens, temperature=temperature,
       seed=seed, stop_token_ids=stop_token_ids, drafter=drafter, budget=budget,
       topk_cap=topk_cap, cache_capacity=cache_capacity, attention=attention, top_k=top_k,
-      top_p=top_p)
+      top_p=top_p, steps_per_check=steps_per_check)
   lc, dparams = statics["lc"], args[1]
   t0 = time.perf_counter()
   prefill, loop = _programs(args, capacity, statics)

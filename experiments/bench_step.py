@@ -8,7 +8,10 @@ Prints, in one run: copy bandwidth; AR step vs the weight+KV bandwidth floor; pe
 chain and DDTree by budget with the per-stage split (draft, tree, verify, accept+commit, each its
 own program); the while_loop driver vs a Python loop over the same jitted step. Medians of repeats;
 compile time reported separately (the programs of a group compile concurrently in threads, then
-run one at a time). Steps are timed inside the real decode loop (lax.while_loop).
+run one at a time). Steps are timed inside the real decode loop (lax.while_loop; with
+--steps_per_check=K, K steps per loop iteration). The random drafter accepts ~1 token per step,
+so a row runs --steps steps; a K that does not divide them adds idle steps (their time counts,
+the steps do not).
 """
 
 import concurrent.futures
@@ -46,6 +49,8 @@ flags.DEFINE_string("drafters", "bf16", "comma list: bf16, int8 (int8 W8A8 draft
 flags.DEFINE_bool("fuse_qkv", True, "without a mesh, fuse the target's q and k/v weights into "
                   "one (model.fuse_qkv), as checkpoint.load_target does")
 flags.DEFINE_bool("stages", True, "also time the stages as separate programs")
+flags.DEFINE_integer("steps_per_check", 1, "decode steps per check of the loop's stop condition "
+                     "(LoopConfig.steps_per_check; ar and spec rows)")
 flags.DEFINE_string("stage_runs", "", "runs of the sweep that get stage times ('' = all)")
 sharding.define_mesh_flags()
 FLAGS = flags.FLAGS
@@ -114,7 +119,7 @@ def make_state(key, tcfg, dcfg, lc, batch, prefix):
 
 def loop_config(**kw):
   """LoopConfig of the ar/spec sections: on the --mesh_* mesh when one is given."""
-  return decode.LoopConfig(mesh=MESH, **kw)
+  return decode.LoopConfig(mesh=MESH, steps_per_check=FLAGS.steps_per_check, **kw)
 
 
 def state_shape(tcfg, dcfg, lc, batch, prefix):
@@ -169,6 +174,7 @@ def copy_bandwidth(small):
 def emit(row):
   if row["section"] in ("ar", "spec"):  # these run on the --mesh_* mesh
     row.update({k: (dict(MESH.shape).get(k, 1) if MESH is not None else 1) for k in ("dp", "tp")})
+    row["steps_per_check"] = FLAGS.steps_per_check
   ROWS.append(row)
   print(json.dumps(row), flush=True)
   if FLAGS.json_out:

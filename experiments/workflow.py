@@ -219,7 +219,8 @@ def validate(cfg, *, needs_drafter_for_spec: bool = True, baselines: bool | None
                       "pallas")
   for key, lo in (("max_new_tokens", 1), ("repeats", 1), ("profile_repeats", 1),
                   ("compile_threads", 1),
-                  ("prompt_len", 0), ("topk_cap", 0), ("coding.max_new_tokens", 1),
+                  ("prompt_len", 0), ("topk_cap", 0), ("steps_per_check", 1),
+                  ("coding.max_new_tokens", 1),
                   ("coding.memory_mb", 16)):
     v = cfg
     for p in key.split("."):
@@ -425,7 +426,8 @@ def generate_kwargs(cfg, method: str, budget: int | None, drafter) -> dict:
   return dict(method=method, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
               seed=cfg.seed, drafter=drafter if method != "ar" else None, budget=budget,
               topk_cap=(cfg.topk_cap or None) if method == "ddtree" else None,
-              attention=cfg.attention or None, stop_token_ids=() if cfg.ignore_eos else None)
+              attention=cfg.attention or None, stop_token_ids=() if cfg.ignore_eos else None,
+              steps_per_check=cfg.steps_per_check)
 
 
 # ------------------------------------------------------------------------------------------------

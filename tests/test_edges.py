@@ -60,13 +60,14 @@ def test_stop_token_inside_accepted_path_cuts_output(target, drafter, ar, method
     assert max(res.stats["acceptance_lengths"][0]) > 1
 
 
-def _run_with_canaries(target, d, method, budget, capacity):
+def _run_with_canaries(target, d, method, budget, capacity, steps_per_check=1):
   lens = np.array([len(p) for p in PROMPTS], np.int32)
   tokens = np.zeros((len(PROMPTS), 16), np.int32)
   for i, p in enumerate(PROMPTS):
     tokens[i, :len(p)] = p
   lc = decode.LoopConfig(method=method, max_new_tokens=M,
-                         num_drafts=d.config.num_drafts if d else 0, budget=budget or 0)
+                         num_drafts=d.config.num_drafts if d else 0, budget=budget or 0,
+                         steps_per_check=steps_per_check)
   st = dict(tcfg=target.config, dcfg=d.config if d else None, lc=lc)
   dparams = d.params if d else None
   state = decode.prefill(target.params, dparams, jnp.asarray(tokens), jnp.asarray(lens),
@@ -78,12 +79,14 @@ def _run_with_canaries(target, d, method, budget, capacity):
   return state
 
 
-@pytest.mark.parametrize("method,budget", [("chain", None), ("ddtree", 128)])
-def test_nothing_written_outside_own_rows(target, drafter, ar, method, budget):
-  """Canary rows past each sequence's final length survive; committed rows equal AR's K/V."""
+@pytest.mark.parametrize("method,budget,steps_per_check", [("chain", None, 1), ("ddtree", 128, 1),
+                                                           ("ddtree", 128, 5)])
+def test_nothing_written_outside_own_rows(target, drafter, ar, method, budget, steps_per_check):
+  """Canary rows past each sequence's final length survive; committed rows equal AR's K/V. With
+  5 steps per loop check, idle steps after the last sequence is done write nothing either."""
   capacity = 13 + M - 1 + 5  # room to spare past the longest sequence
   d = oracle_drafter(drafter, PROMPTS, ar, corruption=0.2)
-  spec = _run_with_canaries(target, d, method, budget, capacity)
+  spec = _run_with_canaries(target, d, method, budget, capacity, steps_per_check)
   ref = _run_with_canaries(target, None, "ar", None, capacity)
   final = np.asarray(spec.cache.lens)
   np.testing.assert_array_equal(final, np.asarray(ref.cache.lens))
@@ -159,6 +162,7 @@ def test_no_safetensors_is_refused(tmp_path):
     (dict(method="chain"), "needs a drafter"),
     (dict(method="ddtree"), "needs a drafter"),
     (dict(temperature=-1.0), "temperature"),
+    (dict(steps_per_check=0), "steps_per_check"),
 ])
 def test_bad_requests_raise_before_compute(target, kwargs, match):
   call = dict(prompts=[[1, 2, 3]], max_new_tokens=4) | kwargs
