@@ -233,8 +233,8 @@ def decode_loop(tparams, dparams, state, *, tcfg, dcfg, lc: LoopConfig):
   """Steps until every sequence is done, all inside one `lax.while_loop`.
 
   XLA:GPU evaluates a while loop's condition on the host: each iteration copies the predicate
-  back and waits for it, so the device idles until the host launches the next iteration (~80 us
-  of a 6 ms Qwen3-8B DDTree B=64 step on the H200; WORKSPACE.md, seventeenth session). With
+  back and waits for it, so the device idles until the host launches the next iteration (~40-80
+  us of a 6 ms Qwen3-8B DDTree B=64 step on the H200; WORKSPACE.md, seventeenth session). With
   lc.steps_per_check = K > 1 an iteration runs K steps as a fixed-trip loop (no check between
   them): one round trip per K steps, and up to K - 1 steps at the end compute for sequences
   that are all done (they commit nothing and are not counted)."""
