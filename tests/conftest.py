@@ -1,12 +1,28 @@
 """Test setup: 8 forced host devices (sharding tests) and float32-exact CPU math."""
 
+import gc
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402  (must follow the environment set-up)
+import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+  """Drops every compiled program after each test module. XLA:CPU maps memory for each compiled
+  executable; kept alive by engine's program cache and JAX's caches they add up over a pytest
+  worker's modules. One worker that ran test_decode then test_sharding held 42,680 mappings, and
+  near the end of the suite a compile crossed Linux's default limit of 65,530
+  (vm.max_map_count) and segfaulted (WORKSPACE.md, seventeenth session)."""
+  yield
+  from ddtree_jax import engine  # pylint: disable=import-outside-toplevel
+  engine._PROGRAMS.clear()  # pylint: disable=protected-access
+  jax.clear_caches()
+  gc.collect()
