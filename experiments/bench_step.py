@@ -12,6 +12,13 @@ run one at a time). Steps are timed inside the real decode loop (lax.while_loop;
 --steps_per_check=K, K steps per loop iteration). The random drafter accepts ~1 token per step,
 so a row runs --steps steps; a K that does not divide them adds idle steps (their time counts,
 the steps do not).
+
+A row's step time is one call's wall time over its steps, so it includes the call's fixed cost
+(dispatch, the command buffers' update to the call's new buffers, the final sync: ~2-3 ms per call
+on the H200), spread over --steps. With --marginal_steps=N every ar/spec row is also compiled for N
+steps and both lengths are timed alternately: `round` is the slope (ms per extra step, a round's
+time without the per-call cost) and `per-call` the intercept. Every row's cache then has room for
+N steps, so both lengths run the same kernels.
 """
 
 import concurrent.futures
@@ -52,11 +59,15 @@ flags.DEFINE_bool("stages", True, "also time the stages as separate programs")
 flags.DEFINE_integer("steps_per_check", 1, "decode steps per check of the loop's stop condition "
                      "(LoopConfig.steps_per_check; ar and spec rows)")
 flags.DEFINE_string("stage_runs", "", "runs of the sweep that get stage times ('' = all)")
+flags.DEFINE_integer("marginal_steps", 0, "also time each ar/spec row over this many steps (> "
+                     "--steps) and report the per-step slope between the two lengths (a round "
+                     "without the per-call cost) and the per-call cost; 0 = off")
 sharding.define_mesh_flags()
 FLAGS = flags.FLAGS
 
 ROWS = []
 MESH = None  # set from --mesh_dp/--mesh_tp in main
+MIN_NEW_TOKENS = 0  # caches hold at least this many new tokens (--marginal_steps + 1), set in main
 
 
 def qwen3_8b(small):
@@ -104,7 +115,7 @@ def random_cache(key, cfg, batch, capacity, prefix):
 
 
 def make_state(key, tcfg, dcfg, lc, batch, prefix):
-  capacity = prefix + lc.max_new_tokens + 16
+  capacity = prefix + max(lc.max_new_tokens, MIN_NEW_TOKENS) + 16
   k1, k2 = jax.random.split(key)
   m = lc.max_new_tokens
   state = decode.DecodeState(
@@ -140,15 +151,41 @@ def compile_row(tp, tcfg, dp, dcfg, lc, batch, prefix, stages):
   return loop, progs, time.perf_counter() - t0
 
 
-def time_loop(loop, tp, tcfg, dp, dcfg, lc, batch, prefix, repeats):
-  """Seconds per step of the compiled while_loop over lc.max_new_tokens-1 steps (median)."""
-  times = []
+def time_calls(loop, tp, tcfg, dp, dcfg, lc, batch, prefix, repeats):
+  """Wall seconds of each timed call of the compiled while_loop (after one warm-up call) and the
+  steps it ran (the same every call: same state, same weights)."""
+  times, steps = [], 0
   for _ in range(repeats + 1):
     st = jax.block_until_ready(make_state(jax.random.key(1), tcfg, dcfg, lc, batch, prefix))
     t = time.perf_counter()
     out = jax.block_until_ready(loop(tp, dp, st))
-    times.append((time.perf_counter() - t) / int(out.step))
-  return float(np.median(times[1:]))
+    times.append(time.perf_counter() - t)
+    steps = int(out.step)
+  return times[1:], steps
+
+
+def time_loop(loop, tp, tcfg, dp, dcfg, lc, batch, prefix, repeats):
+  """Seconds per step of the compiled while_loop over lc.max_new_tokens-1 steps (median)."""
+  times, steps = time_calls(loop, tp, tcfg, dp, dcfg, lc, batch, prefix, repeats)
+  return float(np.median(times)) / steps
+
+
+def time_round(short, long, args, lc, lc_long, repeats):
+  """(seconds per round, seconds per call): the slope and intercept of a call's wall time against
+  its steps, from the short and long loops timed alternately (medians of `repeats` each)."""
+  tp, tcfg, dp, dcfg, batch, prefix = args
+  ts, tl = [], []
+  for _ in range(repeats):
+    t, n_short = time_calls(short, tp, tcfg, dp, dcfg, lc, batch, prefix, 1)
+    ts += t
+    t, n_long = time_calls(long, tp, tcfg, dp, dcfg, lc_long, batch, prefix, 1)
+    tl += t
+  if n_long <= n_short:
+    raise ValueError(f"the long loop ran {n_long} steps, the short one {n_short}: raise "
+                     "--marginal_steps")
+  t_short, t_long = float(np.median(ts)), float(np.median(tl))
+  per_round = (t_long - t_short) / (n_long - n_short)
+  return per_round, t_short - n_short * per_round
 
 
 def compile_group(rows, threads):
@@ -192,8 +229,12 @@ def main(_):
   sections = FLAGS.sections.split(",")
   tcfg = qwen3_8b(small)
   key = jax.random.key(0)
-  global MESH
+  global MESH, MIN_NEW_TOKENS
   MESH = sharding.mesh_from_flags()
+  if FLAGS.marginal_steps and FLAGS.marginal_steps <= FLAGS.steps:
+    raise app.UsageError(f"--marginal_steps={FLAGS.marginal_steps} must exceed "
+                         f"--steps={FLAGS.steps}")
+  MIN_NEW_TOKENS = FLAGS.marginal_steps + 1 if FLAGS.marginal_steps else 0
   tp = target_params(tcfg, key)
   dp, dcfg = make_drafter(tcfg, jax.random.key(1), small)
   dps = {"bf16": sharding.shard_params(dp, MESH)}
@@ -269,7 +310,7 @@ def main(_):
         emit({"section": "compile", "attention": attns[0], "method": m, "budget": bud,
               "batch": b, "prefix": spec_prefixes[0], **{f"{k}_s": v for k, v in secs.items()}})
 
-  ar_ms = {}
+  ar_ms, ar_round = {}, {}
   for group in groups:
     compiled = compile_group(group, FLAGS.compile_threads)
     for row, (loop, progs, compile_s) in zip(group, compiled):
@@ -277,12 +318,21 @@ def main(_):
       tp_, tcfg_, dp_, dcfg_, lc, b, prefix, _ = args
       s = time_loop(loop, tp_, tcfg_, dp_, dcfg_, lc, b, prefix, FLAGS.repeats)
       row.update(step_ms=s * 1e3, compile_s=compile_s)
+      if FLAGS.marginal_steps:
+        lc_long = dataclasses.replace(lc, max_new_tokens=FLAGS.marginal_steps + 1)
+        long, _, _ = compile_row(tp_, tcfg_, dp_, dcfg_, lc_long, b, prefix, False)
+        per_round, per_call = time_round(loop, long, (tp_, tcfg_, dp_, dcfg_, b, prefix), lc,
+                                         lc_long, FLAGS.repeats)
+        row.update(round_ms=per_round * 1e3, per_call_ms=per_call * 1e3)
       if row["section"] == "ar":
         floor = (weight_bytes + b * prefix * kv_row) / bw
         ar_ms[(row["attention"], b, prefix)] = s * 1e3
+        ar_round[(row["attention"], b, prefix)] = row.get("round_ms")
         row.update(floor_ms=floor * 1e3, ratio_to_floor=s / floor)
       else:
         row["vs_ar_step"] = s * 1e3 / ar_ms[(row["attention"], b, prefix)]
+        if FLAGS.marginal_steps:
+          row["vs_ar_round"] = row["round_ms"] / ar_round[(row["attention"], b, prefix)]
         if progs is not None:  # same shapes as the loop's state (capacity included)
           st = make_state(jax.random.key(2), tcfg, dcfg, lc, b, prefix)
           stages = profiling.stage_seconds(tp, tcfg, dp_, dcfg, lc, st, repeats=FLAGS.repeats,
@@ -334,6 +384,17 @@ def print_tables():
             f"{r['vs_ar_step']:>7.2f}" + "".join(
                 f"{r[k]:>8.3f}" if k in r else f"{'-':>8}"
                 for k in ("draft_ms", "tree_ms", "verify_ms", "accept_commit_ms")))
+  rounds = [r for r in ROWS if "round_ms" in r]
+  if rounds:
+    print(f"\n== Round = ms per extra step between --steps={FLAGS.steps} and "
+          f"--marginal_steps={FLAGS.marginal_steps} (no per-call cost); per-call = the intercept")
+    print(f"{'attn':<7}{'method':<8}{'B':>5}{'drafter':>13}{'batch':>6}{'prefix':>7}{'step':>9}"
+          f"{'round':>9}{'xAR':>7}{'per-call':>10}")
+    for r in rounds:
+      method, budget = ("ar", 0) if r["section"] == "ar" else (r["method"], r["budget"])
+      print(f"{r['attention']:<7}{method:<8}{budget:>5}{r.get('drafter', '-'):>13}"
+            f"{r['batch']:>6}{r['prefix']:>7}{r['step_ms']:>9.3f}{r['round_ms']:>9.3f}"
+            f"{r.get('vs_ar_round', 1.0):>7.2f}{r['per_call_ms']:>10.3f}")
   for r in ROWS:
     if r["section"] == "compile":
       print(f"compile s: {r['attention']} {r['method']}/B={r['budget']} batch {r['batch']}: " +

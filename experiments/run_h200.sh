@@ -10,6 +10,7 @@
 #   experiments/run_h200.sh sweep OUT    # attention launch parameters vs the default rule
 #   experiments/run_h200.sh gemm OUT     # a layer's GEMMs vs rows M, as model.py writes them
 #   experiments/run_h200.sh quick OUT    # batch 1 and 8: AR, chain, DDTree 32/64/128 (~150 s)
+#   experiments/run_h200.sh goals OUT    # issue 4's goals: AR, DDTree B=32/64 step and round (~210 s)
 #   experiments/run_h200.sh int8 OUT     # bf16 vs int8 (W8A8) drafter, batch 1; GEMMs by format
 #   experiments/run_h200.sh tp OUT       # tp=1 vs tp=2 (needs 2 GPUs); bf16 divergences at tp=2
 #   BATCHES=16 experiments/run_h200.sh matrix OUT  # bench_matrix: bundled pair (float32)
@@ -71,6 +72,11 @@ case $what in
   gemm)  # ~60 s: model.py's einsums vs bare 2-D matmuls vs the old stacked-first layout
     timeout 150 $py experiments/bench_gemm.py --rows=1,17,33,65,129 --json_out="$out/gemm.jsonl" \
       >"$out/gemm.log" 2>&1
+    ;;
+  goals)  # ~210 s: batch 1, int8 drafter over 32768 ids; rounds from 16 vs 64 steps
+    timeout 400 $step --repeats=5 --marginal_steps=64 --sections=ar,spec --batches=1 \
+      --prefixes=1024 --spec_prefixes=1024 --attention=pallas --nostages --compile_threads=1 \
+      --budgets=32,64 --drafters=int8:v32768 --json_out="$out/goals.jsonl" >"$out/goals.log" 2>&1
     ;;
   int8)  # ~200 s: both drafters compiled and timed in one run, then XLA's GEMM per weight format
     timeout 280 $step --repeats=5 --sections=ar,spec --batches=1 --prefixes=1024 \
