@@ -14,8 +14,8 @@ so a row runs --steps steps; a K that does not divide them adds idle steps (thei
 the steps do not).
 
 A row's step time is one call's wall time over its steps, so it includes the call's fixed cost
-(dispatch, the command buffers' update to the call's new buffers, the final sync: ~2-3 ms per call
-on the H200), spread over --steps. With --marginal_steps=N every ar/spec row is also compiled for N
+(~2 ms on the H200: ~1 ms of dispatch, first condition check and final sync, and a first step
+0.5-1 ms slower than the rest), spread over --steps. With --marginal_steps=N every ar/spec row is also compiled for N
 steps and both lengths are timed alternately: `round` is the slope (ms per extra step, a round's
 time without the per-call cost) and `per-call` the intercept. Every row's cache then has room for
 N steps, so both lengths run the same kernels.
