@@ -20,7 +20,7 @@ test: venv
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 demo: venv
-	$(PY) experiments/generate.py --config=configs/default.py
+	$(PY) -m experiments.generate --config=configs/default.py
 
 # The bundled default pair (ddtree_jax/default_model): GPU settings, ~8 min on one H200.
 train: venv
@@ -32,22 +32,22 @@ train-smoke: venv
 	  bash experiments/train_default.sh
 
 eval-default: venv
-	$(PY) experiments/eval_default.py
+	$(PY) -m experiments.eval_default
 
 # GPU benchmark matrix: ar/chain/ddtree x budgets x batch, Qwen3-8B shape, bf16. Checkpoints from
 # QWEN3_8B_DIR / QWEN3_8B_DFLASH_DIR, else random weights of the same shapes. Needs the CUDA
 # extra in the venv: .venv/bin/pip install -e ".[cuda13]". Example:
 #   make bench ARGS="--config.batches=1 --config.budgets=32,128 --mesh_tp=8"
 bench: venv
-	$(PY) experiments/bench_matrix.py --config=configs/bench_matrix.py $(ARGS)
+	$(PY) -m experiments.bench_matrix --config=configs/bench_matrix.py $(ARGS)
 
 # Small matrix on CPU (~1 min): out/bench_smoke/{bench.csv,bench.json,*.png}
 bench-smoke: venv
-	$(PY) experiments/bench_matrix.py --config=configs/bench_smoke.py $(ARGS)
+	$(PY) -m experiments.bench_matrix --config=configs/bench_smoke.py $(ARGS)
 
 # Five-problem coding check; generated code runs in the sandbox (ddtree_jax/sandbox.py)
 eval-coding: venv
-	$(PY) experiments/coding_eval.py --config=configs/default.py $(ARGS)
+	$(PY) -m experiments.coding_eval --config=configs/default.py $(ARGS)
 
 # Executes the walkthrough notebook; the executed copy goes to out/ddtree_walkthrough.ipynb
 notebook: venv

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,10 +19,9 @@ from ddtree_jax import model
 from ddtree_jax import sharding
 from ddtree_jax import tree as tree_lib
 from ddtree_jax import verify
-from ddtree_jax.attention import attend_xla
+from ddtree_jax.kernels import Kernels
 
 METHODS = ("ar", "chain", "ddtree")
-ATTENTIONS = ("xla", "pallas")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,50 +36,17 @@ class LoopConfig:
   top_k: int | None = None
   top_p: float | None = None
   stop_ids: tuple[int, ...] = ()
-  attention: str = "xla"          # "pallas": the tree attention, q/k norm + RoPE and residual
-                                  # add + RMSNorm kernels
-  mesh: Any = None                # jax.sharding.Mesh: state constrained, kernels per shard
-  rules: Any = None               # sharding.ShardingRules (None: the defaults)
+  kernels: Kernels = Kernels()    # attention / q-k / residual / embedding implementations, mesh
   steps_per_check: int = 1        # steps between two checks of the loop's stop condition
                                   # (each check is a host round trip; see decode_loop)
 
   @property
-  def attn_fn(self):
-    fn = attend_xla
-    if self.attention == "pallas":
-      from ddtree_jax.pallas.tree_attention import tree_attention  # pylint: disable=import-outside-toplevel
-      fn = tree_attention
-    return fn if self.mesh is None else sharding.shard_attention(fn, self.mesh, self.rules)
+  def mesh(self):
+    return self.kernels.mesh
 
   @property
-  def qk_fn(self):
-    """The q/k/v projections + q/k RMSNorm + RoPE (`model.project_qkv`'s hook): with Pallas
-    attention the norms and RoPE in one Pallas kernel, which also sums a fused weight's explicit
-    split-K partials (`pallas.project_qk_norm_rope`); on a mesh XLA's projections, then the
-    kernel per shard."""
-    if self.attention != "pallas":
-      return model.project_norm_rope
-    from ddtree_jax.pallas.qk_norm_rope import project_qk_norm_rope, qk_norm_rope  # pylint: disable=import-outside-toplevel
-    if self.mesh is None:
-      return project_qk_norm_rope
-    return sharding.shard_qk_norm_rope(qk_norm_rope, self.mesh, self.rules)
-
-  @property
-  def res_fn(self):
-    """The verify's residual add + RMSNorm after o and down: with Pallas attention and no mesh,
-    an explicit split-K GEMM and one Pallas kernel for the partials' sum, the add and the norm
-    (at 64-128 rows, `pallas.add_rms_norm.default_splits`). On a mesh the row-parallel o and
-    down weights are split over the contracted dim: left to XLA. The prefill and the drafter
-    keep XLA's form (unmeasured there; the int8 drafter's down is int8)."""
-    if self.attention != "pallas" or self.mesh is not None:
-      return model.residual_norm
-    from ddtree_jax.pallas.add_rms_norm import residual_norm  # pylint: disable=import-outside-toplevel
-    return residual_norm
-
-  @property
-  def embed_fn(self):
-    return model.embed_lookup if self.mesh is None else sharding.shard_embed_lookup(self.mesh,
-                                                                                    self.rules)
+  def rules(self):
+    return self.kernels.rules
 
 
 @jax.tree_util.register_dataclass
@@ -163,12 +128,17 @@ def make_tree(lc: LoopConfig, draft_logits, bonus, draft_vocab=None):
   return dataclasses.replace(tree, tokens=jnp.concatenate([root, draft_vocab[drafted]], axis=-1))
 
 
+def draft(dparams, tparams, dcfg, lc: LoopConfig, state: DecodeState):
+  """The drafter's logits [B, L, V] (or [B, L, Vd]) for the block after each bonus."""
+  return dcfg.draft(dparams, tparams, state.draft_cache, state.bonus, lc.kernels.outside_verify)
+
+
 def verify_and_pick(tparams, tcfg, dcfg, lc: LoopConfig, state: DecodeState, tree, key):
   """Target forward over the tree; the target's choice (argmax or sample) at every node."""
   taps_at = () if dcfg is None else dcfg.target_layer_ids
   logits, new_k, new_v, taps = verify.verify_tree(tparams, tcfg, state.cache, tree.tokens,
                                                   tree.depths, tree.visibility, taps_at,
-                                                  lc.attn_fn, lc.embed_fn, lc.qk_fn, lc.res_fn)
+                                                  lc.kernels)
   return verify.pick(logits, lc.temperature, key, lc.top_k, lc.top_p), new_k, new_v, taps
 
 
@@ -184,8 +154,7 @@ def step(tparams, tcfg, dparams, dcfg, lc: LoopConfig, state: DecodeState) -> De
   logits = None
   if lc.method != "ar":
     with jax.named_scope("draft"):  # scopes name the stages in profiles (profile_step.py)
-      logits = dcfg.draft(dparams, tparams, state.draft_cache, state.bonus, lc.attn_fn,
-                          lc.embed_fn, lc.qk_fn)
+      logits = draft(dparams, tparams, dcfg, lc, state)
   with jax.named_scope("tree"):
     tree = make_tree(lc, logits, state.bonus, None if dcfg is None else dcfg.vocab(dparams))
   with jax.named_scope("verify"):
@@ -204,8 +173,8 @@ def prefill(tparams, dparams, tokens, lens, key, *, tcfg, dcfg, lc: LoopConfig, 
   positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
   taps_at = () if dcfg is None else dcfg.target_layer_ids
   hidden, new_k, new_v, taps = model.forward(tparams, tcfg, tokens, positions, cache,
-                                             model.causal_mask(lens, t), taps_at, lc.attn_fn,
-                                             lc.embed_fn, lc.qk_fn)
+                                             model.causal_mask(lens, t), taps_at,
+                                             lc.kernels.outside_verify)
   cache = model.commit(cache, new_k, new_v, positions, lens)
   draft_cache = None
   if dcfg is not None:
@@ -230,11 +199,8 @@ def prefill(tparams, dparams, tokens, lens, key, *, tcfg, dcfg, lc: LoopConfig, 
 
 # XLA:GPU records the loop body into CUDA graphs. XLA's default (LHS) chains every kernel after the
 # one before it; CONCURRENT links each kernel only to the kernels whose buffers it needs, so
-# kernels that do not depend on each other can overlap.
-# H200, batch 1, paired in one process: DDTree B=16 / 32 / 64 steps ~20 / 60 / 50 us faster,
-# AR, B=128 and batch 8 even, chain ~25 us slower; the loop's temporaries grow 0-7 %
-# (WORKSPACE.md, eighteenth session). CPU backends ignore it; `.compile(compiler_options=...)`
-# overrides it.
+# independent kernels overlap (WORKSPACE.md, Findings: Host loop and CUDA graphs). CPU backends
+# ignore it; `.compile(compiler_options=...)` overrides it.
 LOOP_COMPILER_OPTIONS = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
 
 
@@ -244,11 +210,11 @@ def decode_loop(tparams, dparams, state, *, tcfg, dcfg, lc: LoopConfig):
   """Steps until every sequence is done, all inside one `lax.while_loop`.
 
   XLA:GPU evaluates a while loop's condition on the host: each iteration copies the predicate
-  back and waits for it, so the device idles until the host launches the next iteration (~40-80
-  us of a 6 ms Qwen3-8B DDTree B=64 step on the H200; WORKSPACE.md, seventeenth session). With
-  lc.steps_per_check = K > 1 an iteration runs K steps as a fixed-trip loop (no check between
-  them): one round trip per K steps, and up to K - 1 steps at the end compute for sequences
-  that are all done (they commit nothing and are not counted)."""
+  back and waits for it, so the device idles until the host launches the next iteration
+  (WORKSPACE.md, Findings: Host loop and CUDA graphs). With lc.steps_per_check = K > 1 an
+  iteration runs K steps as a fixed-trip loop (no check between them): one round trip per K
+  steps, and up to K - 1 steps at the end compute for sequences that are all done (they commit
+  nothing and are not counted)."""
   max_steps = max(lc.max_new_tokens - 1, 0)  # every active step emits at least one token
   cond = lambda s: (s.step < max_steps) & ~jnp.all(s.done)
   one = lambda s: sharding.constrain(step(tparams, tcfg, dparams, dcfg, lc, s), lc.mesh,

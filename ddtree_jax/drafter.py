@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ddtree_jax import kernels as kernels_lib
 from ddtree_jax import model
-from ddtree_jax.attention import attend_xla
 from ddtree_jax.config import ModelConfig
 
 Array = jax.Array
@@ -43,9 +43,9 @@ class DrafterConfig:
     return self.block_size - 1
 
   # The decode loop talks to a drafter only through these methods (tests plug in oracles).
-  def draft(self, params, target_params, cache, bonus, attn_fn=attend_xla,
-            embed_fn=model.embed_lookup, qk_fn=None):
-    return draft_logits(params, self, target_params, cache, bonus, attn_fn, embed_fn, qk_fn)
+  def draft(self, params, target_params, cache, bonus,
+            kernels: kernels_lib.Kernels = kernels_lib.REFERENCE):
+    return draft_logits(params, self, target_params, cache, bonus, kernels)
 
   def context(self, params, taps, positions):
     return context_kv(params, self, taps, positions)
@@ -65,9 +65,8 @@ class DrafterParams:
   # [H, V] own copy of the target's (None: share it), int8 after quantize_int8; [H, Vd] over the
   # draft_vocab ids when that is set
   lm_head: Array | model.Int8Weight | None = None
-  # int8 drafters: every layer's wkv stacked, [H, L, 2, K, D], for the context rows' one k/v GEMM.
-  # XLA merges the per-layer context GEMMs (one shared input) into one anyway, and for int8
-  # weights it first concatenated them: a 42 MB copy per step at Qwen3-8B (51 us on the H200).
+  # int8 drafters: every layer's wkv stacked, [H, L, 2, K, D], for the context rows' one k/v GEMM
+  # (XLA merges the per-layer GEMMs anyway, but for int8 weights it copied them together first).
   context_wkv: model.Int8Weight | None = None
   draft_vocab: Array | None = None  # int32 [Vd]: the id of each lm_head column (restrict_vocab)
 
@@ -100,8 +99,8 @@ def context_kv(params: DrafterParams, cfg: DrafterConfig, taps, positions):
 
 
 def draft_logits(params: DrafterParams, cfg: DrafterConfig, target_params: model.Params,
-                 cache: model.KVCache, bonus, attn_fn=attend_xla, embed_fn=model.embed_lookup,
-                 qk_fn=None):
+                 cache: model.KVCache, bonus,
+                 kernels: kernels_lib.Kernels = kernels_lib.REFERENCE):
   """One block of drafts. cache: drafter context K/V with lens = committed length (= block start);
   bonus [B] int32. Returns float32 logits [B, bs-1, V] for positions start+1..start+bs-1 (over
   params.draft_vocab's Vd ids instead when that is set)."""
@@ -109,12 +108,12 @@ def draft_logits(params: DrafterParams, cfg: DrafterConfig, target_params: model
   b = bonus.shape[0]
   block = jnp.concatenate([bonus[:, None].astype(jnp.int32),
                            jnp.full((b, bs - 1), cfg.mask_token_id, jnp.int32)], axis=1)
-  x = embed_fn(target_params.embed, block).astype(params.hidden_norm.dtype)
+  x = kernels.embed(target_params.embed, block).astype(params.hidden_norm.dtype)
   positions = cache.lens[:, None] + jnp.arange(bs, dtype=jnp.int32)[None]
   cos, sin = model.rope_tables(lc, positions, x.dtype)
   full = jnp.ones((b, bs, bs), bool)
   hidden, _, _, _ = model.decoder_stack(params.layers, lc, x, params.final_norm, cos, sin, cache.k,
-                                        cache.v, cache.lens, full, attn_fn, qk_fn)
+                                        cache.v, cache.lens, full, kernels)
   hidden = hidden[:, 1:]
   if params.lm_head is not None:
     return model.dense("bjh,hv->bjv", hidden, params.lm_head, jnp.float32)
@@ -127,10 +126,9 @@ def quantize_int8(params: DrafterParams, target_params: model.Params) -> Drafter
   restrict_vocab, else a copy of the target's [H, V], from the tied embedding when there is no
   lm_head), and its layers' k/v weights stacked for the context rows (`context_wkv`). Norms stay
   in their dtype; `model.dense` quantizes each GEMM's input rows on the fly (W8A8), everything
-  between the GEMMs stays in the params' dtype. o stays in the params' dtype too: at 16 rows its
-  bf16 GEMM was as fast as W8A8's on the H200 (13.0 vs 14.3 us), and its input, the attention
-  output, then needs no row max and int8 rounding (kernels of their own; WORKSPACE.md, twelfth
-  session)."""
+  between the GEMMs stays in the params' dtype. o stays in the params' dtype too: its bf16 GEMM
+  is as fast at draft rows, and its input then needs no row max and int8 rounding of its own
+  (WORKSPACE.md, Findings: GEMMs and the int8 drafter)."""
   q = model.quantize_int8
   layers = [dataclasses.replace(l, wq=q(l.wq), wkv=q(l.wkv), w_gate_up=q(l.w_gate_up),
                                 w_down=q(l.w_down)) for l in params.layers]

@@ -15,6 +15,7 @@ import numpy as np
 
 from ddtree_jax import decode
 from ddtree_jax import drafter as drafter_lib
+from ddtree_jax import kernels as kernels_lib
 from ddtree_jax import model
 from ddtree_jax import sharding
 from ddtree_jax.checkpoint import Drafter, Target
@@ -40,8 +41,8 @@ def _validate(target, prompts, method, max_new_tokens, drafter, budget, topk_cap
               temperature, top_k, top_p, steps_per_check):
   if method not in decode.METHODS:
     raise ValueError(f"unknown method {method!r}; choose one of {decode.METHODS}")
-  if attention not in decode.ATTENTIONS:
-    raise ValueError(f"unknown attention {attention!r}; choose one of {decode.ATTENTIONS}")
+  if attention not in kernels_lib.ATTENTIONS:
+    raise ValueError(f"unknown attention {attention!r}; choose one of {kernels_lib.ATTENTIONS}")
   if not prompts:
     raise ValueError("prompts is empty: give at least one prompt")
   for i, p in enumerate(prompts):
@@ -90,7 +91,8 @@ def _programs(args, capacity, statics):
 
 
 def _prepare(target, prompts, *, method, max_new_tokens, temperature, seed, stop_token_ids,
-             drafter, budget, topk_cap, cache_capacity, attention, top_k, top_p, steps_per_check):
+             drafter, budget, topk_cap, cache_capacity, attention, top_k, top_p, steps_per_check,
+             kernel_tuning):
   """Validates a request and lays it out in static shapes: (args, capacity, statics)."""
   attention = attention or _default_attention()
   _validate(target, prompts, method, max_new_tokens, drafter, budget, topk_cap, attention,
@@ -115,9 +117,11 @@ def _prepare(target, prompts, *, method, max_new_tokens, temperature, seed, stop
       budget=int(budget) if method == "ddtree" else 0, topk_cap=topk_cap,
       temperature=float(temperature), top_k=top_k if temperature else None,
       top_p=top_p if temperature else None, stop_ids=tuple(int(s) for s in stop),
-      attention=attention, steps_per_check=int(steps_per_check))
-  mesh, rules = target.mesh, target.rules  # tensor/data parallel (sharding.py) when mesh is set
-  lc = dataclasses.replace(lc, mesh=mesh, rules=rules)
+      steps_per_check=int(steps_per_check),
+      # tensor/data parallel (sharding.py) when the target has a mesh
+      kernels=kernels_lib.Kernels(attention, target.mesh, target.rules,
+                                  kernel_tuning or kernels_lib.KernelTuning()))
+  mesh, rules = target.mesh, target.rules
   statics = dict(tcfg=target.config, dcfg=dcfg, lc=lc)
   tokens, lens = sharding.pad_batch((tokens, lens), mesh, rules)  # batch: a multiple of dp
   args = (target.params, dparams, sharding.put_batch(tokens, mesh, rules),
@@ -127,7 +131,7 @@ def _prepare(target, prompts, *, method, max_new_tokens, temperature, seed, stop
 
 _DEFAULTS = dict(temperature=0.0, seed=0, stop_token_ids=None, drafter=None, budget=None,
                  topk_cap=None, cache_capacity=None, attention=None, top_k=None, top_p=None,
-                 steps_per_check=1)
+                 steps_per_check=1, kernel_tuning=None)
 
 
 def compile_only(target: Target, prompts: Sequence[Sequence[int]], **kwargs) -> float:
@@ -146,6 +150,13 @@ def compile_many(target: Target, requests: Sequence[tuple[Sequence[Sequence[int]
   threads > 1 they overlap."""
   with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
     return list(pool.map(lambda r: compile_only(target, r[0], **r[1]), requests))
+
+
+def prefill_state(target: Target, prompts: Sequence[Sequence[int]], **kwargs):
+  """(the DecodeState right after prefill, the LoopConfig) that `generate(target, prompts,
+  **kwargs)` would decode from: for tools that run the step's stages one by one."""
+  args, capacity, statics = _prepare(target, prompts, **(_DEFAULTS | kwargs))
+  return decode.prefill(*args, capacity=capacity, **statics), statics["lc"]
 
 
 def precompile(target: Target, *, batch: int, prompt_len: int, max_new_tokens: int,
@@ -177,7 +188,8 @@ def generate(target: Target, prompts: Sequence[Sequence[int]], *, method: str = 
              stop_token_ids=None, drafter: Drafter | None = None, budget: int | None = None,
              topk_cap: int | None = None, cache_capacity: int | None = None,
              attention: str | None = None, top_k: int | None = None,
-             top_p: float | None = None, steps_per_check: int = 1) -> GenerateResult:
+             top_p: float | None = None, steps_per_check: int = 1,
+             kernel_tuning: kernels_lib.KernelTuning | None = None) -> GenerateResult:
   """Generates up to `max_new_tokens` per prompt with AR, chain (DFlash) or DDTree decoding.
 
   temperature > 0 samples from the target's distribution (optionally top_k / top_p filtered);
@@ -187,13 +199,14 @@ def generate(target: Target, prompts: Sequence[Sequence[int]], *, method: str = 
   max_new_tokens, rounded up to 128); requests that do not fit are refused, never clamped.
   steps_per_check > 1 checks the stop condition (a host round trip) once per that many steps,
   at the price of up to steps_per_check - 1 idle steps at the end (`decode.decode_loop`); the
-  output and stats are the same.
+  output and stats are the same. kernel_tuning: the Pallas kernels' tuning (`kernels.KernelTuning`;
+  None: the defaults).
   """
   args, capacity, statics = _prepare(
       target, prompts, method=method, max_new_tokens=max_new_tokens, temperature=temperature,
       seed=seed, stop_token_ids=stop_token_ids, drafter=drafter, budget=budget,
       topk_cap=topk_cap, cache_capacity=cache_capacity, attention=attention, top_k=top_k,
-      top_p=top_p, steps_per_check=steps_per_check)
+      top_p=top_p, steps_per_check=steps_per_check, kernel_tuning=kernel_tuning)
   lc, dparams = statics["lc"], args[1]
   t0 = time.perf_counter()
   prefill, loop = _programs(args, capacity, statics)
@@ -219,7 +232,7 @@ def generate(target: Target, prompts: Sequence[Sequence[int]], *, method: str = 
           "acceptance_lengths": per_seq,
           "tokens_per_second": new_in_loop / (t3 - t2) if new_in_loop else 0.0,
           "compile_seconds": t1 - t0, "prefill_seconds": t2 - t1, "decode_seconds": t3 - t2,
-          "cache_capacity": capacity, "attention": lc.attention,
+          "cache_capacity": capacity, "attention": lc.kernels.attention,
       })
 
 

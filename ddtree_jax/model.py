@@ -7,13 +7,12 @@ V vocab, S cache capacity. Weights are stored [in, out] (x @ W), split by head f
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax.attention import attend_xla, einsum_f32
+from ddtree_jax import kernels as kernels_lib
+from ddtree_jax.attention import einsum_f32
 from ddtree_jax.config import ModelConfig
 
 Array = jax.Array
@@ -50,10 +49,9 @@ def dense(spec, x, w, out_dtype=None):
   """einsum(spec, x, w) in x's dtype (or out_dtype); spec's output is x's kept dims, then w's.
 
   For an Int8Weight, W8A8: each row of x (its contracted dims) is quantized to int8 with its own
-  scale max|row| / 127, the GEMM is int8 x int8 -> int32, and both scales multiply the output.
-  On the H200 at 16 rows that ran the drafter's q+k+v, gate/up, down and lm_head GEMMs 1.26-1.68x
-  faster than bf16 (o about as fast); int8 weights with bf16 activations were mostly no faster
-  (the in-GEMM convert makes them compute-bound; WORKSPACE.md, ninth session)."""
+  scale max|row| / 127, the GEMM is int8 x int8 -> int32, and both scales multiply the output
+  (int8 weights with bf16 activations were no faster: WORKSPACE.md, Findings: GEMMs and the
+  int8 drafter)."""
   if not isinstance(w, Int8Weight):
     return jnp.einsum(spec, x, w) if out_dtype is None else einsum_f32(spec, x, w).astype(out_dtype)
   (xs, ws), out = spec.split("->")[0].split(","), spec.split("->")[1]
@@ -96,12 +94,10 @@ class LayerParams:
 
 def fuse_qkv(params: Params) -> Params:
   """The target's wq [H, N, D] and wkv [H, 2, K, D] as one wqkv [H, N + 2K, D] per layer (the
-  same values, concatenated over heads). One GEMM then writes q, k and v into one array, and
-  with Pallas attention the kernel after it sums that GEMM's split-K partials
-  (`pallas.project_qk_norm_rope`): with two weights XLA merged the projections into one GEMM
-  anyway (at 33-65 rows on the H200) but then copied its output into the kernel's operand
-  (WORKSPACE.md, fourteenth and fifteenth sessions). One device only: on a mesh q and kv heads
-  are sharded on their own axes (`sharding.py` refuses fused weights, and this refuses sharded
+  same values, concatenated over heads). One GEMM then writes q, k and v into one array, which
+  the Pallas q/k kernel reads as it is (with two weights XLA copies the merged GEMM's output:
+  WORKSPACE.md, Findings: Fused glue kernels). One device only: on a mesh q and kv heads are
+  sharded on their own axes (`sharding.py` refuses fused weights, and this refuses sharded
   ones). Fused layers are kept. `checkpoint.load_target` builds the same layout on the host."""
   def fuse(layer):
     if layer.wqkv is not None:
@@ -141,9 +137,9 @@ class Params:
 class KVCache:
   """K/V of committed tokens, every layer in one array; rows [0, lens[b]) of sequence b are valid.
 
-  One array per K and V (not one per layer), so a step commits all layers in one scatter: per
-  layer that was 2 scatter kernels of ~2.4 us each in an H200 DDTree step, 0.17 ms of 7.5
-  (WORKSPACE.md, 2026-11-30). Attention reads layer i straight from it (`layer=i`)."""
+  One array per K and V (not one per layer), so a step commits all layers in one scatter, not
+  two per layer (WORKSPACE.md, Findings: Fused glue kernels). Attention reads layer i straight
+  from it (`layer=i`)."""
   k: Array                 # [L, B, K, S, D]
   v: Array                 # [L, B, K, S, D]
   lens: Array              # [B] int32
@@ -202,18 +198,9 @@ def apply_rope(x, cos, sin):
   return x * cos[:, :, None] + rot * sin[:, :, None]
 
 
-# k/v and gate/up are one einsum each over their stacked weight, with the stacked axis after the
-# tokens ("btskd", "btsi"): with it first ("sbtkd", "sbti") XLA chose transposed GEMM outputs and
-# the H200 layer matmuls at 65 / 129 rows took 174 / 290 us against 142 / 162 us
-# (experiments/bench_gemm.py, WORKSPACE.md 2026-11-30). Slicing the stacked weight instead copies
-# it every step (2x slower).
-def project_qkv(layer: LayerParams, cfg: ModelConfig, h, cos, sin, qk_fn=None):
-  """Normed input h [B, T, H] -> q [B, T, N, D], k, v [B, T, K, D], q/k normed and RoPE'd, by
-  qk_fn(layer, h, cos, sin, eps=...): `project_norm_rope`, or the same with the norms and RoPE
-  in one Pallas kernel (`pallas.project_qk_norm_rope`)."""
-  return (qk_fn or project_norm_rope)(layer, h, cos, sin, eps=cfg.rms_norm_eps)
-
-
+# k/v and gate/up are one einsum each over their stacked weight, the stacked axis after the tokens
+# ("btskd", "btsi"): with it first XLA chose slower transposed GEMM outputs, and slicing the
+# stacked weight copies it every step (WORKSPACE.md, Findings: GEMMs and the int8 drafter).
 def project_norm_rope(layer: LayerParams, h, cos, sin, *, eps):
   """The q and k/v projections of h [B, T, H] (wq and wkv, or the fused wqkv), then `norm_rope`."""
   if layer.wqkv is not None:
@@ -248,39 +235,39 @@ def kv_rows(layer: LayerParams, cfg: ModelConfig, kv, cos, sin):
 
 def residual_norm(x, spec, a, w, norm, *, eps):
   """The residual add after the o / down projection, then the next RMSNorm: x [B, T, H] +
-  dense(spec, a, w) -> (x', rms_norm(x', norm)). `pallas.residual_norm` has the same contract
-  (the GEMM's split-K sum, the add and the norm in one kernel)."""
+  dense(spec, a, w) -> (x', rms_norm(x', norm)) (`Kernels.residual_norm`'s contract)."""
   x = x + dense(spec, a, w)
   return x, rms_norm(x, norm, eps)
 
 
-def attention_block(layer, cfg, x, h, cos, sin, k_cache, v_cache, prefix_len, new_mask, attn_fn,
-                    cache_layer=None, qk_fn=None, res_fn=None):
+def attention_block(layer, cfg, x, h, cos, sin, k_cache, v_cache, prefix_len, new_mask,
+                    kernels: kernels_lib.Kernels = kernels_lib.REFERENCE, cache_layer=None):
   """Residual attention sub-block over x with h = its input RMSNorm. Returns x', the MLP's input
   norm of x' and the new rows' k, v [B, T, K, D].
 
   k_cache/v_cache: [B, K, S, D], or a KVCache's [L, B, K, S, D] with cache_layer the layer."""
-  q, k, v = project_qkv(layer, cfg, h, cos, sin, qk_fn)
+  q, k, v = kernels.project_qkv(layer, h, cos, sin, eps=cfg.rms_norm_eps)
   kw = {} if cache_layer is None else {"layer": cache_layer}
-  o = attn_fn(q, k_cache, v_cache, prefix_len, k, v, new_mask, scale=cfg.head_dim ** -0.5, **kw)
-  x, h = (res_fn or residual_norm)(x, "btnd,ndh->bth", o, layer.wo, layer.post_norm,
-                                   eps=cfg.rms_norm_eps)
+  o = kernels.attend(q, k_cache, v_cache, prefix_len, k, v, new_mask,
+                     scale=cfg.head_dim ** -0.5, **kw)
+  x, h = kernels.residual_norm(x, "btnd,ndh->bth", o, layer.wo, layer.post_norm,
+                               eps=cfg.rms_norm_eps)
   return x, h, k, v
 
 
-def mlp_block(layer, cfg, x, h, next_norm, res_fn=None):
+def mlp_block(layer, cfg, x, h, next_norm, kernels: kernels_lib.Kernels = kernels_lib.REFERENCE):
   """Residual MLP sub-block over x with h = its RMSNorm -> (x', x' normed with next_norm)."""
   gu = dense("bth,hsi->btsi", h, layer.w_gate_up)
-  return (res_fn or residual_norm)(x, "bti,ih->bth", jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1],
-                                   layer.w_down, next_norm, eps=cfg.rms_norm_eps)
+  return kernels.residual_norm(x, "bti,ih->bth", jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1],
+                               layer.w_down, next_norm, eps=cfg.rms_norm_eps)
 
 
 def decoder_stack(layers, cfg, x, final_norm, cos, sin, k_cache, v_cache, prefix_len, new_mask,
-                  attn_fn, qk_fn=None, res_fn=None, tap_layers=()):
+                  kernels: kernels_lib.Kernels = kernels_lib.REFERENCE, tap_layers=()):
   """The decoder layers over x [B, T, H], each RMSNorm computed with the add before it.
 
   k_cache/v_cache: stacked [L, B, K, S, D] (a KVCache's, read with `layer=i`) or lists of
-  per-layer caches in attn_fn's layout.
+  per-layer caches [B, K, S, D].
   Returns hidden [B, T, H] after final_norm, new_k/new_v per layer [B, T, K, D], and
   {layer id: residual output [B, T, H]} for tap_layers."""
   stacked = not isinstance(k_cache, (list, tuple))
@@ -289,10 +276,9 @@ def decoder_stack(layers, cfg, x, final_norm, cos, sin, k_cache, v_cache, prefix
   for i, layer in enumerate(layers):
     kc, vc = (k_cache, v_cache) if stacked else (k_cache[i], v_cache[i])
     x, h, k, v = attention_block(layer, cfg, x, h, cos, sin, kc, vc, prefix_len, new_mask,
-                                 attn_fn, cache_layer=i if stacked else None, qk_fn=qk_fn,
-                                 res_fn=res_fn)
+                                 kernels, cache_layer=i if stacked else None)
     nxt = layers[i + 1].input_norm if i + 1 < len(layers) else final_norm
-    x, h = mlp_block(layer, cfg, x, h, nxt, res_fn)
+    x, h = mlp_block(layer, cfg, x, h, nxt, kernels)
     new_k.append(k)
     new_v.append(v)
     if i in tap_layers:
@@ -301,33 +287,29 @@ def decoder_stack(layers, cfg, x, final_norm, cos, sin, k_cache, v_cache, prefix
 
 
 def embed_lookup(table, tokens):
-  """Rows of the embedding table [V, H] for token ids [...] -> [..., H]. On a mesh the decode loop
-  uses `sharding.shard_embed_lookup` instead (same result, no all-gather of a vocab-split table)."""
+  """Rows of the embedding table [V, H] for token ids [...] -> [..., H] (`Kernels.embed`)."""
   return table[tokens]
 
 
 def forward(params: Params, cfg: ModelConfig, tokens, positions, cache: KVCache, new_mask,
-            tap_layers: tuple[int, ...] = (), attn_fn: Callable = attend_xla,
-            embed_fn: Callable = embed_lookup, qk_fn: Callable | None = None,
-            res_fn: Callable | None = None):
+            tap_layers: tuple[int, ...] = (),
+            kernels: kernels_lib.Kernels = kernels_lib.REFERENCE):
   """Target forward of new tokens over the cached prefix (the cache is not modified).
 
   Args:
     tokens, positions: [B, T] int32. new_mask: [B, T, T] bool visibility among the new tokens.
     tap_layers: layer ids whose residual outputs are returned (HF hidden_states[id + 1]).
-    attn_fn, embed_fn, qk_fn, res_fn: the attention, the embedding lookup, the q/k/v
-      projection + q/k norm + RoPE (`qk_fn(layer, h, cos, sin, *, eps) -> q, k, v`;
-      `project_norm_rope` when None; per-shard versions of these three on a mesh) and the
-      residual add + RMSNorm after o and down (`residual_norm` when None).
+    kernels: the implementations of attention, q/k/v projection + norm + RoPE, residual + norm
+      and the embedding lookup (`kernels.Kernels`; plain XLA on one device by default).
   Returns:
     hidden [B, T, H] after the final norm; new_k, new_v: per layer [B, T, K, D];
     taps [B, T, len(tap_layers) * H] (concatenated in tap_layers order) or None.
   """
-  x = embed_fn(params.embed, tokens)
+  x = kernels.embed(params.embed, tokens)
   cos, sin = rope_tables(cfg, positions, x.dtype)
   hidden, new_k, new_v, taps = decoder_stack(params.layers, cfg, x, params.final_norm, cos, sin,
-                                             cache.k, cache.v, cache.lens, new_mask, attn_fn,
-                                             qk_fn, res_fn, tap_layers)
+                                             cache.k, cache.v, cache.lens, new_mask, kernels,
+                                             tap_layers)
   tapped = jnp.concatenate([taps[i] for i in tap_layers], axis=-1) if tap_layers else None
   return hidden, new_k, new_v, tapped
 

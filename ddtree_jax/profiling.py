@@ -41,8 +41,7 @@ def compile_stages(tparams, tcfg, dparams, dcfg, lc: decode.LoopConfig, state,
 
   key = jax.random.key(0)
   vocab = _draft_vocab(dparams, dcfg, lc)
-  draft = jax.jit(lambda dp, tp, st: dcfg.draft(dp, tp, st.draft_cache, st.bonus, lc.attn_fn,
-                                                 lc.embed_fn, lc.qk_fn))
+  draft = jax.jit(lambda dp, tp, st: decode.draft(dp, tp, dcfg, lc, st))
   tree = jax.jit(lambda logits, bonus, vocab: decode.make_tree(lc, logits, bonus, vocab))
   verify = jax.jit(lambda tp, st, tr: decode.verify_and_pick(tp, tcfg, dcfg, lc, st, tr, key))
   commit = jax.jit(lambda dp, st, *rest: decode.accept_and_commit(dp, dcfg, lc, st, *rest, key),

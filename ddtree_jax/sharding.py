@@ -15,16 +15,14 @@ decode-state pytree into a matching pytree of NamedShardings. Layouts (model.py,
   KV cache [L, B, K, S, D]: B over dp, K over tp; per-sequence decode state over dp
 
 Everything else is GSPMD: params and caches carry NamedShardings and jit propagates them. The
-attention runs per shard inside `jax.shard_map` (`shard_attention`), since a pallas_call cannot
-take sharded operands, and so do the Pallas q/k norm + RoPE (`shard_qk_norm_rope`) and the
-embedding lookup (`shard_embed_lookup`: a lookup in a vocab-split table, left to GSPMD,
-all-gathered the table).
+kernels (attention, the Pallas q/k norm + RoPE, the embedding lookup) run per shard inside
+`jax.shard_map`: `kernels.Kernels` with a mesh wraps them (`kernels.shard_attention`, ...).
 
 Indivisible dimensions: a dimension mapped to a mesh axis must divide by the axis size, else a
 ValueError names it; nothing is padded or sharded unevenly. Set that rule to None to replicate
 the dimension instead. In particular `ShardingRules(kv_heads=None)` replicates the K/V
 projections and caches over tp (each device holds every kv head, the usual fix when kv heads <
-tp); `shard_attention` then hands each device only the kv heads its own query heads use.
+tp); `kernels.shard_attention` then hands each device only the kv heads its own query heads use.
 
 Multi-host: call `initialize_distributed` (or `mesh_from_flags`) on every process first; the
 mesh then spans all hosts' devices and the same code runs on each process.
@@ -33,14 +31,12 @@ mesh then spans all hosts' devices and the same code runs on each process.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from ddtree_jax import model
 from ddtree_jax.drafter import DrafterParams
 from ddtree_jax.model import Int8Weight, KVCache, LayerParams, Params
 
@@ -278,120 +274,6 @@ def to_host(tree):
 
 
 # --------------------------------------------------------------------------------------------
-# Attention under shard_map
-
-
-def _head_axes(mesh: Mesh, rules: ShardingRules, b: int, hq: int, hkv: int):
-  """The mesh axes (or None) that split the batch, the query heads and the kv heads of per-shard
-  kernels: each rule's axis where it divides, kv heads only when split with the query heads."""
-  size = lambda name: mesh.shape[name] if name in mesh.shape else 1
-  bt = rules.batch if rules.batch in mesh.shape and b % size(rules.batch) == 0 else None
-  hd = rules.heads if rules.heads in mesh.shape and hq % size(rules.heads) == 0 else None
-  kv = hd if hd is not None and rules.kv_heads == hd and hkv % size(hd) == 0 else None
-  return bt, hd, kv
-
-
-def shard_attention(attn_fn: Callable, mesh: Mesh, rules: ShardingRules | None = None) -> Callable:
-  """Wraps an attention with the `attention.attend_xla` contract to run per shard in shard_map.
-
-  Split: batch over dp (when it divides), query heads q [B, T, N, D] on N and caches
-  [B, K, S, D] (or [L, B, K, S, D] with `layer`) / new rows [B, T, K, D] on K over tp; prefix_len
-  [B] and new_mask [B, T, T] on B
-  only. Attention is independent per (sequence, kv head), so there is no communication. With
-  replicated kv heads (rules.kv_heads None) each device slices out the kv heads of its own query
-  heads; if no clean split exists the heads are computed replicated (correct, just slower).
-  """
-  rules = rules or DEFAULT_RULES
-
-  def wrapped(q, k_cache, v_cache, prefix_len, k_new, v_new, new_mask, *, scale, **kw):
-    b, hq, hkv = q.shape[0], q.shape[2], k_cache.shape[-3]
-    lead = (None,) * (k_cache.ndim - 4)  # the layer axis of stacked caches
-    size = lambda name: mesh.shape[name] if name in mesh.shape else 1
-    bt, hd, kv = _head_axes(mesh, rules, b, hq, hkv)
-    g = hq // hkv
-    n_loc = hq // size(hd) if hd else hq
-    if hd is not None and kv is None and n_loc % g and g % n_loc:
-      hd = None  # a query-head shard would straddle kv groups: compute every head on every device
-      n_loc = hq
-    kv_loc = max(1, n_loc // g)
-
-    def local(q, kc, vc, plen, kn, vn, mask):
-      if hd is not None and kv is None:  # replicated kv heads: keep those of the local q heads
-        start = jax.lax.axis_index(hd) * n_loc // g
-        take = lambda x, axis: jax.lax.dynamic_slice_in_dim(x, start, kv_loc, axis)
-        kc, vc, kn, vn = take(kc, kc.ndim - 3), take(vc, vc.ndim - 3), take(kn, 2), take(vn, 2)
-      return attn_fn(q, kc, vc, plen, kn, vn, mask, scale=scale, **kw)
-
-    q_spec, c_spec, n_spec = P(bt, None, hd, None), P(*lead, bt, kv, None, None), P(bt, None, kv, None)
-    return jax.shard_map(local, mesh=mesh, out_specs=q_spec, check_vma=False,
-                         in_specs=(q_spec, c_spec, c_spec, P(bt), n_spec, n_spec,
-                                   P(bt, None, None)))(
-        q, k_cache, v_cache, prefix_len, k_new, v_new, new_mask)
-
-  return wrapped
-
-
-def shard_qk_norm_rope(qk_fn: Callable, mesh: Mesh, rules: ShardingRules | None = None) -> Callable:
-  """The q/k/v projection hook of `model.project_qkv` on a mesh: the projections as GSPMD
-  partitions them, then `qk_fn` (a q/k norm + RoPE with the `model.norm_rope` contract, e.g.
-  `pallas.qk_norm_rope`) per shard in shard_map: q [B, T, N, D] split on N, kv [B, T, 2, K, D]
-  on K (when the kv heads are split with the q heads; else every device does all of them, as its
-  k/v output is replicated too), and all of them and cos/sin [B, T, D] on B over dp when it
-  divides. Per row and head, so there is no communication."""
-  rules = rules or DEFAULT_RULES
-
-  def wrapped(layer, h, cos, sin, *, eps):
-    if layer.wqkv is not None:
-      raise ValueError("fused q/k/v weights (model.fuse_qkv) are for one device only: on a "
-                       "mesh use unfused params (checkpoint.load_target(..., fuse_qkv=False))")
-    q, kv = model.dense("bth,hnd->btnd", h, layer.wq), model.dense("bth,hskd->btskd", h, layer.wkv)
-    q_norm, k_norm = layer.q_norm, layer.k_norm
-    bt, hd, kv_ax = _head_axes(mesh, rules, q.shape[0], q.shape[2], kv.shape[3])
-    local = lambda *a: qk_fn(*a, eps=eps)
-    norm = lambda w: None if w is None else P()
-    q_spec, k_spec, rows = P(bt, None, hd, None), P(bt, None, kv_ax, None), P(bt, None, None)
-    return jax.shard_map(local, mesh=mesh, out_specs=(q_spec, k_spec, k_spec), check_vma=False,
-                         in_specs=(q_spec, P(bt, None, None, kv_ax, None), norm(q_norm),
-                                   norm(k_norm), rows, rows))(
-        q, kv, q_norm, k_norm, cos, sin)
-
-  return wrapped
-
-
-def shard_embed_lookup(mesh: Mesh, rules: ShardingRules | None = None) -> Callable:
-  """`model.embed_lookup` for a vocab-split table [V, H], run per shard in shard_map.
-
-  Each device looks up the ids that fall in its slice of V (zero rows elsewhere) and a psum adds
-  the slices: exact, one all-reduce of [..., H] per lookup. Left to GSPMD, the batch-1 AR program
-  on two H200s all-gathered the whole 1.24 GB Qwen3-8B table every step (WORKSPACE.md, seventh
-  session). Token ids [B, ...] keep their batch split over dp when it divides.
-  """
-  rules = rules or DEFAULT_RULES
-
-  def lookup(table, tokens):
-    size = lambda name: mesh.shape[name] if name in mesh.shape else 1
-    voc = rules.vocab if rules.vocab in mesh.shape and table.shape[0] % size(rules.vocab) == 0 \
-        else None
-    if voc is None:
-      return table[tokens]
-    bt = rules.batch if (rules.batch in mesh.shape and rules.batch != voc
-                         and tokens.shape[0] % size(rules.batch) == 0) else None
-    rest = (None,) * (tokens.ndim - 1)
-
-    def local(tab, tok):
-      n = tab.shape[0]
-      idx = tok - jax.lax.axis_index(voc) * n
-      mine = (idx >= 0) & (idx < n)
-      rows = jnp.where(mine[..., None], tab[jnp.clip(idx, 0, n - 1)], jnp.zeros((), tab.dtype))
-      return jax.lax.psum(rows, voc)
-
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(voc, None), P(bt, *rest)),
-                         out_specs=P(bt, *rest, None), check_vma=False)(table, tokens)
-
-  return lookup
-
-
-# --------------------------------------------------------------------------------------------
 # Multi-host start and absl flags
 
 
@@ -433,5 +315,4 @@ def mesh_from_flags() -> Mesh | None:
 
 __all__ = ["DEFAULT_RULES", "ShardingRules", "batch_multiple", "check_mesh", "constrain",
            "define_mesh_flags", "initialize_distributed", "make_mesh", "mesh_from_flags",
-           "pad_batch", "put_batch", "replicate", "shard_attention", "shard_params", "shardings",
-           "specs", "to_host"]
+           "pad_batch", "put_batch", "replicate", "shard_params", "shardings", "specs", "to_host"]

@@ -1,4 +1,4 @@
-"""The optimal DDTree draft tree, built on device with static shapes (DESIGN.md section 3).
+"""The optimal DDTree draft tree, built on device with static shapes (docs/design.md §3).
 
 The score of a prefix u = (u_1..u_d) is sum_i log q_i(u_i). The optimal tree with budget B is the
 set of the B highest-scoring prefixes; it is prefix-closed. The published builder is a CPU heap
@@ -81,8 +81,8 @@ def _build_one(draft_logits, root_token, budget: int, k: int) -> DraftTree:
   # multi-output reduce over the same [P, P] one-hot picks beam_d (entries of rank < B, padded to
   # P so that every reduce has one shape) and builds depth d+1's candidates straight from
   # beam_d's ranks: 2 kernels per depth, where XLA made 3 of rank, pick and gather.
-  # (Unrolled because as a scan XLA copied each depth's rows and the carry: 4 memcpys per depth,
-  # WORKSPACE.md, tenth session.)
+  # (Unrolled because as a scan XLA copied each depth's rows and the carry every depth:
+  # WORKSPACE.md, Findings: Tree builder.)
   # Past RANK_SELECT_MAX pairs (B > ~300) the [P, P] matrices cost more than a sort: select_top.
   cand = score1[pj] + logq[1][pr] if depth > 1 else None  # [P]
   beams = [(score1, tok1, par1)]
@@ -135,10 +135,8 @@ def select_top(x, k: int, payloads=()):
   top-k), and the payloads [P] (int arrays) at them: (values [k], tuple of payloads [k]).
 
   Up to RANK_SELECT_MAX candidates by ranks instead of a sort: rank i = #{j beating i}, then entry
-  r of the output is the candidate of rank r (a one-hot reduction). XLA:GPU sorts the whole
-  row for a top-k with k > 16: in a batch-1 DDTree B=64 step on an H200 the per-depth beam's 14
-  sorts took 91 us, its reductions now 84 us, and the global sort is gone; the tree stage went
-  from 0.61 to 0.38 ms (WORKSPACE.md, 2026-11-30, sixth session)."""
+  r of the output is the candidate of rank r (a one-hot reduction): XLA:GPU sorts the whole row
+  for a top-k with k > 16 (WORKSPACE.md, Findings: Tree builder)."""
   p = x.shape[-1]
   if p > RANK_SELECT_MAX:
     vals, idx = jax.lax.top_k(x, k, is_stable=True)
@@ -165,9 +163,9 @@ def top_k(x, k: int, chunk: int | None = None):
   largest maxima hold the top k entries (an entry outside them is beaten by k chunk maxima), so a
   top-k over the n / chunk maxima, then one over those k chunks' k * chunk entries (kept in index
   order, so ties still go to the lower index) gives the answer. XLA:GPU lowers a top-k with k > 16
-  to a full sort of the row: over the 151,936-entry Qwen3 vocab that was 0.58 ms of a batch-1
-  DDTree B=32 step on an H200 (experiments/profile_step.py). Default chunk: the power of two near
-  sqrt(n / k), where both top-ks are smallest; plain lax.top_k when chunking saves nothing."""
+  to a full sort of the row, slow over a 152K vocab (WORKSPACE.md, Findings: Tree builder).
+  Default chunk: the power of two near sqrt(n / k), where both top-ks are smallest; plain
+  lax.top_k when chunking saves nothing."""
   n = x.shape[-1]
   if chunk is None:
     chunk = 1 << max(4, round(np.log2(max(n / k, 1.0)) / 2))

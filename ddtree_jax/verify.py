@@ -10,12 +10,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ddtree_jax import kernels as kernels_lib
 from ddtree_jax import model
 from ddtree_jax.tree import top_k as exact_top_k
 
 
-def verify_tree(params, cfg, cache, tokens, depths, visibility, tap_layers, attn_fn,
-                embed_fn=model.embed_lookup, qk_fn=None, res_fn=None):
+def verify_tree(params, cfg, cache, tokens, depths, visibility, tap_layers=(),
+                kernels: kernels_lib.Kernels = kernels_lib.REFERENCE):
   """Target forward over tree nodes.
 
   tokens/depths: [B, N] int32; visibility: [B, N, N] bool.
@@ -23,7 +24,7 @@ def verify_tree(params, cfg, cache, tokens, depths, visibility, tap_layers, attn
   """
   positions = cache.lens[:, None] + depths
   hidden, new_k, new_v, taps = model.forward(params, cfg, tokens, positions, cache, visibility,
-                                             tap_layers, attn_fn, embed_fn, qk_fn, res_fn)
+                                             tap_layers, kernels)
   return model.lm_head(params, hidden), new_k, new_v, taps
 
 

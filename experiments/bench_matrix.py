@@ -1,8 +1,8 @@
 """Benchmark matrix: methods (ar, chain, ddtree) x budgets x concurrency (batch), one run.
 
-  python experiments/bench_matrix.py --config=configs/bench_smoke.py      # CPU, ~1 min
-  python experiments/bench_matrix.py --config=configs/bench_matrix.py     # GPU, Qwen3-8B shape
-  python experiments/bench_matrix.py --config=configs/bench_matrix.py --config.budgets=64,256 \
+  python -m experiments.bench_matrix --config=configs/bench_smoke.py      # CPU, ~1 min
+  python -m experiments.bench_matrix --config=configs/bench_matrix.py     # GPU, Qwen3-8B shape
+  python -m experiments.bench_matrix --config=configs/bench_matrix.py --config.budgets=64,256 \
       --config.batches=1 --mesh_tp=8
 
 Per batch, every program of the matrix is compiled first (`compile_threads` at a time: GPU compiles
@@ -32,7 +32,7 @@ import time
 import numpy as np
 from absl import flags
 
-import workflow  # experiments/workflow.py (puts the repo on sys.path)
+from experiments import workflow
 
 CSV_FIELDS = ("batch", "method", "budget", "dtype", "attention", "prompt_tokens", "max_new_tokens",
               "tokens_per_second", "tokens_per_second_min", "tokens_per_second_max",
@@ -49,28 +49,11 @@ def _round_up(x: int, m: int) -> int:
 def stage_ms(cfg, target, drafter, prompts, method, budget) -> dict:
   """Per-stage times (ms) of one step on the prefill state of `prompts`, each stage compiled on
   its own (ddtree_jax.profiling.stage_seconds), with the loop config `generate` would use."""
-  import jax  # pylint: disable=import-outside-toplevel
-  from ddtree_jax import decode, engine, profiling, sharding  # pylint: disable=import-outside-toplevel
+  from ddtree_jax import engine, profiling  # pylint: disable=import-outside-toplevel
   dcfg = drafter.config if method != "ar" else None
   dparams = drafter.params if method != "ar" else None
-  lens = np.array([len(p) for p in prompts], np.int32)
-  tokens = np.zeros((len(prompts), _round_up(int(lens.max()), 16)), np.int32)
-  for i, p in enumerate(prompts):
-    tokens[i, :len(p)] = p
-  stop = () if cfg.ignore_eos else target.config.eos_token_ids
-  lc = decode.LoopConfig(
-      method=method, max_new_tokens=cfg.max_new_tokens,
-      num_drafts=dcfg.num_drafts if dcfg else 0, budget=int(budget or 0),
-      topk_cap=(cfg.topk_cap or None) if method == "ddtree" else None,
-      temperature=float(cfg.temperature), stop_ids=tuple(int(s) for s in stop),
-      attention=cfg.attention or engine._default_attention(),  # pylint: disable=protected-access
-      mesh=target.mesh, rules=target.rules)
-  capacity = _round_up(int(lens.max()) + cfg.max_new_tokens - 1, 128)
-  tokens, lens = sharding.pad_batch((tokens, lens), target.mesh, target.rules)
-  state = decode.prefill(target.params, dparams, sharding.put_batch(tokens, target.mesh, target.rules),
-                         sharding.put_batch(lens, target.mesh, target.rules),
-                         sharding.replicate(jax.random.key(cfg.seed), target.mesh),
-                         tcfg=target.config, dcfg=dcfg, lc=lc, capacity=capacity)
+  state, lc = engine.prefill_state(target, prompts,
+                                   **workflow.generate_kwargs(cfg, method, budget, drafter))
   sec = profiling.stage_seconds(target.params, target.config, dparams, dcfg, lc, state,
                                 repeats=cfg.profile_repeats)
   out = {f"{k}_ms": v * 1e3 for k, v in sec.items()}

@@ -1,7 +1,7 @@
 """A five-problem coding check: generate each function body, run hidden tests in a sandbox.
 
-  python experiments/coding_eval.py --config=configs/default.py
-  python experiments/coding_eval.py --config=configs/qwen3_8b.py --config.target=/models/Qwen3-8B \
+  python -m experiments.coding_eval --config=configs/default.py
+  python -m experiments.coding_eval --config=configs/qwen3_8b.py --config.target=/models/Qwen3-8B \
       --config.drafter=/models/Qwen3-8B-DFlash-b16 --config.budgets=8,32
 
 Each problem is a prompt (signature + docstring, ending in a newline) and hidden tests (inputs and
@@ -23,9 +23,9 @@ import os
 import time
 from typing import Callable
 
-import workflow  # experiments/workflow.py (puts the repo on sys.path)
+from experiments import workflow
 
-from ddtree_jax import sandbox  # pylint: disable=wrong-import-order
+from ddtree_jax import sandbox
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Draws one DDTree draft tree with its accepted path (PNG).
 
-  python experiments/draw_tree.py --config=configs/default.py --config.budgets=32
-  python experiments/draw_tree.py --config=configs/qwen3_8b.py --config.budgets=64 \
+  python -m experiments.draw_tree --config=configs/default.py --config.budgets=32
+  python -m experiments.draw_tree --config=configs/qwen3_8b.py --config.budgets=64 \
       --config.target=/models/Qwen3-8B --config.drafter=/models/Qwen3-8B-DFlash-b16
 
 Prefills the first prompt of the config, runs one speculative step at the first budget (draft ->
@@ -12,7 +12,7 @@ Without a drafter in the config a random one is used (--config.random_drafter=Tr
 import json
 import os
 
-import workflow  # experiments/workflow.py (puts the repo on sys.path)
+from experiments import workflow
 
 
 def run(cfg, out_path=None) -> dict:

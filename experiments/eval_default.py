@@ -1,6 +1,6 @@
 """Evaluates a target + DFlash drafter pair (default: the bundled one) on held-out stdlib prompts.
 
-  python experiments/eval_default.py [--model_dir=ddtree_jax/default_model] [--batch_size=1]
+  python -m experiments.eval_default [--model_dir=ddtree_jax/default_model] [--batch_size=1]
 
 Prompts: `num_prompts` windows of `prompt_min`..`prompt_max` tokens that start at a line of the
 held-out stdlib files (ddtree_jax/data.py split). Runs AR, chain and DDTree at each budget at T=0,
@@ -10,19 +10,17 @@ prints a table (tau, tokens/s, speed-up vs AR) and writes a JSON.
 
 import json
 import os
-import sys
 import time
 
 from absl import app
 from absl import flags
 from absl import logging
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import numpy as np  # noqa: E402
+import numpy as np
 
-import ddtree_jax as dj  # noqa: E402
-from ddtree_jax import data  # noqa: E402
-from ddtree_jax import drafter as drafter_lib  # noqa: E402
+import ddtree_jax as dj
+from ddtree_jax import data
+from ddtree_jax import drafter as drafter_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _DIR = flags.DEFINE_string("model_dir", os.path.join(REPO, "ddtree_jax", "default_model"),

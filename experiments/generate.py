@@ -1,17 +1,17 @@
 """The main job: load a target (and drafter), generate with each method, print text and a table.
 
-  python experiments/generate.py --config=configs/default.py --config.methods=ar,chain,ddtree
-  python experiments/generate.py ... --mesh_tp=8            # tensor parallel over 8 devices
+  python -m experiments.generate --config=configs/default.py --config.methods=ar,chain,ddtree
+  python -m experiments.generate ... --mesh_tp=8            # tensor parallel over 8 devices
 
 The last line printed is one JSON object: {"results": [{method, budget, tau, tokens_per_second}]}.
 """
 
 import json
 
-import workflow  # experiments/workflow.py: config validation, models (puts the repo on sys.path)
+from experiments import workflow
 
-import ddtree_jax as dj  # pylint: disable=wrong-import-order
-from ddtree_jax import sharding  # pylint: disable=wrong-import-order
+import ddtree_jax as dj
+from ddtree_jax import sharding
 
 _CONFIG = workflow.define_config("configs/default.py")
 sharding.define_mesh_flags()  # --mesh_dp --mesh_tp, multi-host --coordinator_address etc.

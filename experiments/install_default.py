@@ -1,6 +1,6 @@
 """Step 5 of `make train`: copies the exported pair into the package's default_model folder.
 
-  python experiments/install_default.py --workdir=out/train_default --out=ddtree_jax/default_model
+  python -m experiments.install_default --workdir=out/train_default --out=ddtree_jax/default_model
 
 Checks that the pair loads (dj.load_target / dj.load_drafter), that the drafter's mask token is the
 tokenizer's <|mask|>, and that everything fits `max_mb`; writes TRAINING.json (final metrics).
@@ -9,15 +9,13 @@ tokenizer's <|mask|>, and that everything fits `max_mb`; writes TRAINING.json (f
 import json
 import os
 import shutil
-import sys
 
 from absl import app
 from absl import flags
 from absl import logging
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import ddtree_jax as dj  # noqa: E402
-from ddtree_jax import data  # noqa: E402
+import ddtree_jax as dj
+from ddtree_jax import data
 
 _WORKDIR = flags.DEFINE_string("workdir", "out/train_default", "training workdir")
 _OUT = flags.DEFINE_string("out", "ddtree_jax/default_model", "install folder")

@@ -13,13 +13,13 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 t0=$(date +%s)
 stamp() { echo "=== $1 ($(( $(date +%s) - t0 )) s)"; }
 stamp tokenizer
-"$PY" experiments/train_tokenizer.py --config="configs/train_target.py$PRESET" --config.workdir="$WORKDIR"
+"$PY" -m experiments.train_tokenizer --config="configs/train_target.py$PRESET" --config.workdir="$WORKDIR"
 stamp target
-"$PY" experiments/train_target.py --config="configs/train_target.py$PRESET" --config.workdir="$WORKDIR"
+"$PY" -m experiments.train_target --config="configs/train_target.py$PRESET" --config.workdir="$WORKDIR"
 stamp regenerate
-"$PY" experiments/train_drafter.py --config="configs/train_drafter.py$PRESET" --config.workdir="$WORKDIR" --config.stage=regenerate
+"$PY" -m experiments.train_drafter --config="configs/train_drafter.py$PRESET" --config.workdir="$WORKDIR" --config.stage=regenerate
 stamp drafter
-"$PY" experiments/train_drafter.py --config="configs/train_drafter.py$PRESET" --config.workdir="$WORKDIR" --config.stage=train
+"$PY" -m experiments.train_drafter --config="configs/train_drafter.py$PRESET" --config.workdir="$WORKDIR" --config.stage=train
 stamp install
-"$PY" experiments/install_default.py --workdir="$WORKDIR" --out="$INSTALL"
+"$PY" -m experiments.install_default --workdir="$WORKDIR" --out="$INSTALL"
 stamp done

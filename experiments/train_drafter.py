@@ -1,10 +1,10 @@
 """Steps 3-4 of `make train`: regenerate training data with the target, train its DFlash drafter.
 
-  python experiments/train_drafter.py --config=configs/train_drafter.py[:smoke] [--config.stage=...]
+  python -m experiments.train_drafter --config=configs/train_drafter.py[:smoke] [--config.stage=...]
 
 stage=regenerate: greedy continuations by the exported target (`workdir`/target/hf) of prompts cut
 from the train split (and a few from held-out files, for validation), cached as .npy under
-`workdir`/regen (skipped when present). stage=train: the DFlash recipe (DESIGN.md section 2) with
+`workdir`/regen (skipped when present). stage=train: the DFlash recipe (docs/design.md §2) with
 the frozen target, orbax checkpoints + resume under `workdir`/drafter/checkpoints, export in the
 z-lab format to `workdir`/drafter/hf (loadable by dj.load_drafter). stage=all: both.
 The last line printed is one JSON summary.
@@ -13,22 +13,20 @@ The last line printed is one JSON summary.
 import functools
 import json
 import os
-import sys
 import time
 
 from absl import app
 from absl import logging
 from ml_collections import config_flags
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import ddtree_jax as dj  # noqa: E402
-from ddtree_jax import checkpoint, data, training  # noqa: E402
-from ddtree_jax.config import config_from_hf  # noqa: E402
-from ddtree_jax.drafter import DrafterConfig, default_target_layer_ids  # noqa: E402
+import ddtree_jax as dj
+from ddtree_jax import checkpoint, data, hf_export, train_loop, training
+from ddtree_jax.config import config_from_hf
+from ddtree_jax.drafter import DrafterConfig, default_target_layer_ids
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/train_drafter.py", "run configuration")
 
@@ -155,7 +153,7 @@ def main(_):
                                         compute_dtype=cdt))
 
   def eval_fn(p):
-    out = training.batched_eval(lambda b: eval_loss(p, frozen, b), held_batches)
+    out = train_loop.batched_eval(lambda b: eval_loss(p, frozen, b), held_batches)
     committed = steps = 0
     for b in held_batches:
       runs = np.asarray(eval_runs(p, frozen, b))
@@ -167,15 +165,15 @@ def main(_):
 
   out = os.path.join(cfg.workdir, "drafter")
   os.makedirs(out, exist_ok=True)
-  params, summary = training.train(
+  params, summary = train_loop.train(
       name="drafter", workdir=out, params=params, loss_fn=loss_fn, frozen=frozen,
       batch_fn=batch_fn, eval_fn=eval_fn, tc=tc,
       tokens_per_step=tc.batch_size * num_anchors * (dcfg.block_size - 1))
-  hf = checkpoint.save_drafter_hf(os.path.join(out, "hf"), params, dcfg, target.config.num_layers,
+  hf = hf_export.save_drafter_hf(os.path.join(out, "hf"), params, dcfg, target.config.num_layers,
                                   cfg.export.dtype)
   shipped = dj.load_drafter(hf, target, dtype="float32")
   final = eval_fn(shipped.params)
-  training.plot_curve(summary, os.path.join(out, "loss.png"), "DFlash drafter")
+  train_loop.plot_curve(summary, os.path.join(out, "loss.png"), "DFlash drafter")
   result = {"stage": "drafter", "params_m": round(n_params / 1e6, 3), "steps": summary["steps"],
             "total_steps": summary["total_steps"], "finished": summary["finished"],
             "final_train_loss": summary["final_train_loss"],
@@ -184,7 +182,7 @@ def main(_):
             "exported_heldout_acc_slot1": final["acc_slot1"],
             "regen_seconds": round(t_regen, 1), "train_seconds": round(summary["train_seconds"], 1),
             "wall_seconds": round(time.perf_counter() - t0, 1), "export": hf}
-  training.write_json(os.path.join(out, "metrics.json"), dict(result, history=summary["history"],
+  train_loop.write_json(os.path.join(out, "metrics.json"), dict(result, history=summary["history"],
                                                               evals=summary["evals"]))
   print(json.dumps(result), flush=True)
 

@@ -1,6 +1,6 @@
 """Step 2 of `make train`: the default target, a small Qwen3 trained on the stdlib corpus.
 
-  python experiments/train_target.py --config=configs/train_target.py[:smoke]
+  python -m experiments.train_target --config=configs/train_target.py[:smoke]
 
 Trains with ddtree_jax.model's own forward (ddtree_jax.training), resumes from the latest orbax
 checkpoint in `workdir`/target/checkpoints, and exports a Hugging Face Qwen3 directory to
@@ -11,21 +11,19 @@ loss.png}. The last line printed is one JSON summary.
 import functools
 import json
 import os
-import sys
 import time
 
 from absl import app
 from absl import logging
 from ml_collections import config_flags
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import ddtree_jax as dj  # noqa: E402
-from ddtree_jax import checkpoint, data, model, training  # noqa: E402
-from ddtree_jax.config import ModelConfig  # noqa: E402
+import ddtree_jax as dj
+from ddtree_jax import checkpoint, data, hf_export, model, train_loop, training
+from ddtree_jax.config import ModelConfig
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/train_target.py", "run configuration")
 
@@ -48,7 +46,7 @@ def heldout_loss_fn(mcfg, windows, batch_size, compute_dtype):
                                    compute_dtype=compute_dtype))
   chunks = [{"tokens": jnp.asarray(windows[i:i + batch_size])}
             for i in range(0, len(windows), batch_size)]
-  return lambda params: training.batched_eval(lambda b: loss(params, batch=b), chunks)
+  return lambda params: train_loop.batched_eval(lambda b: loss(params, batch=b), chunks)
 
 
 def main(_):
@@ -71,24 +69,24 @@ def main(_):
   eval_fn = heldout_loss_fn(mcfg, windows, tc.batch_size, cdt)
   out = os.path.join(cfg.workdir, "target")
   os.makedirs(out, exist_ok=True)
-  params, summary = training.train(
+  params, summary = train_loop.train(
       name="target", workdir=out, params=params,
       loss_fn=functools.partial(training.target_loss, cfg=mcfg, compute_dtype=cdt), frozen=None,
       batch_fn=lambda step: {"tokens": data.window_batch(train_tokens, tc.batch_size, length,
                                                          cfg.seed, step)},
       eval_fn=eval_fn, tc=tc, tokens_per_step=tc.batch_size * cfg.model.seq_len)
-  hf = checkpoint.save_target_hf(os.path.join(out, "hf"), params, mcfg, tok, cfg.export.dtype)
+  hf = hf_export.save_target_hf(os.path.join(out, "hf"), params, mcfg, tok, cfg.export.dtype)
   # The held-out loss of what ships: reload the export (float32 math) and evaluate it.
   shipped = dj.load_target(hf, dtype="float32")
   final = heldout_loss_fn(mcfg, windows, tc.batch_size, jnp.float32)(shipped.params)
-  training.plot_curve(summary, os.path.join(out, "loss.png"), "target (stdlib BPE LM)")
+  train_loop.plot_curve(summary, os.path.join(out, "loss.png"), "target (stdlib BPE LM)")
   result = {"stage": "target", "params_m": round(n_params / 1e6, 3), "steps": summary["steps"],
             "total_steps": summary["total_steps"], "finished": summary["finished"],
             "final_train_loss": summary["final_train_loss"], "best": summary["best"],
             "exported_heldout_loss": final["loss"], "exported_heldout_accuracy": final["accuracy"],
             "train_seconds": round(summary["train_seconds"], 1),
             "wall_seconds": round(time.perf_counter() - t0, 1), "export": hf}
-  training.write_json(os.path.join(out, "metrics.json"), dict(result, history=summary["history"],
+  train_loop.write_json(os.path.join(out, "metrics.json"), dict(result, history=summary["history"],
                                                               evals=summary["evals"]))
   print(json.dumps(result), flush=True)
 

@@ -1,19 +1,16 @@
 """Step 1 of `make train`: byte-level BPE tokenizer + token caches of the stdlib corpus.
 
-  python experiments/train_tokenizer.py --config=configs/train_target.py[:smoke]
+  python -m experiments.train_tokenizer --config=configs/train_target.py[:smoke]
 
 Writes `workdir`/tokenizer.json and `workdir`/data/{train,heldout}.npy, corpus.json (idempotent).
 """
 
-import os
-import sys
 import time
 
 from absl import app
 from ml_collections import config_flags
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from ddtree_jax import data  # noqa: E402
+from ddtree_jax import data
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/train_target.py", "run configuration")
 

@@ -3,7 +3,7 @@ the notebook: load and validate a config, build the models it names, make prompt
 
 Validation gives one clear message naming the valid values (unknown keys, methods, budgets, ...):
 
-  python experiments/bench_matrix.py --config=configs/bench_smoke.py --config.budget=8
+  python -m experiments.bench_matrix --config=configs/bench_smoke.py --config.budget=8
   -> unknown config key 'budget'. Did you mean 'budgets'? Valid keys: attention, baselines, ...
 """
 
@@ -16,12 +16,10 @@ import os
 import sys
 from typing import Any, Sequence
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-  sys.path.insert(0, REPO)
+import ml_collections
+import numpy as np
 
-import ml_collections  # noqa: E402
-import numpy as np  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 METHODS = ("ar", "chain", "ddtree")
 MIN_BUDGET, MAX_BUDGET = 1, 1024
@@ -441,18 +439,14 @@ def one_step(target, drafter, prompt: Sequence[int], budget: int | None, method:
   draft vocabulary), the tree (unbatched), post (the target's argmax per node), path (accepted
   node ids, root first), tau, emitted tokens, bonus."""
   import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from ddtree_jax import decode, verify  # pylint: disable=import-outside-toplevel
+  from ddtree_jax import decode, engine, verify  # pylint: disable=import-outside-toplevel
   dcfg = drafter.config
-  lc = decode.LoopConfig(method=method, max_new_tokens=dcfg.num_drafts + 2,
-                         num_drafts=dcfg.num_drafts, budget=int(budget or 0), topk_cap=topk_cap,
-                         attention=attention)
-  capacity = len(prompt) + dcfg.num_drafts + 2
-  state = decode.prefill(target.params, drafter.params, jnp.asarray([list(prompt)], jnp.int32),
-                         jnp.asarray([len(prompt)], jnp.int32), jax.random.key(0),
-                         tcfg=target.config, dcfg=dcfg, lc=lc, capacity=capacity)
-  logits = jax.jit(lambda dp, tp, st: dcfg.draft(dp, tp, st.draft_cache, st.bonus, lc.attn_fn,
-                                                  lc.embed_fn, lc.qk_fn))(
+  state, lc = engine.prefill_state(
+      target, [list(prompt)], method=method, max_new_tokens=dcfg.num_drafts + 2,
+      drafter=drafter, budget=budget if method == "ddtree" else None,
+      topk_cap=topk_cap if method == "ddtree" else None, attention=attention,
+      stop_token_ids=())
+  logits = jax.jit(lambda dp, tp, st: decode.draft(dp, tp, dcfg, lc, st))(
       drafter.params, target.params, state)
   vocab = dcfg.vocab(drafter.params)
   tree = jax.jit(lambda lg, b, v: decode.make_tree(lc, lg, b, v))(logits, state.bonus, vocab)

@@ -20,7 +20,7 @@ def _free_compiled_programs():
   executable; kept alive by engine's program cache and JAX's caches they add up over a pytest
   worker's modules. One worker that ran test_decode then test_sharding held 42,680 mappings, and
   near the end of the suite a compile crossed Linux's default limit of 65,530
-  (vm.max_map_count) and segfaulted (WORKSPACE.md, seventeenth session)."""
+  (vm.max_map_count) and segfaulted (WORKSPACE.md, Findings: Compile time)."""
   yield
   from ddtree_jax import engine  # pylint: disable=import-outside-toplevel
   engine._PROGRAMS.clear()  # pylint: disable=protected-access

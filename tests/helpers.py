@@ -62,7 +62,7 @@ class OracleConfig(DrafterConfig):
   corruption: float = 0.3
   seed: int = 0
 
-  def draft(self, params, target_params, cache, bonus, attn_fn=None, embed_fn=None, qk_fn=None):
+  def draft(self, params, target_params, cache, bonus, kernels=None):
     _, ref = params
     b, r = ref.shape
     v = self.layers.vocab_size

@@ -3,7 +3,6 @@
 
 import functools
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +11,7 @@ import pytest
 
 import ddtree_jax as dj
 from conftest import FIXTURES
-from ddtree_jax import model
+from ddtree_jax import kernels, model
 from ddtree_jax.pallas import add_rms_norm as arn
 from helpers import (abstract_h200_mesh, oracle_drafter, triton_custom_calls, verify_triton_ir,
                      write_drafter)
@@ -97,9 +96,10 @@ def test_refuses_other_specs_and_shapes():
     arn.residual_norm(x, O_SPEC, a.reshape(1, 2, 16, 4), w, norm, eps=1e-6)
 
 
-def test_forward_hidden_and_taps_equal_xla_form():
-  """A 2-layer float32 target forward with the kernel at every site (2 slices forced) gives the
-  XLA form's final hidden and the taps (the residual stream after each layer)."""
+def test_forward_hidden_and_taps_equal_xla_form(monkeypatch):
+  """A 2-layer float32 target forward with the Pallas kernels, the residual kernel at every site
+  (2 slices forced by the tuning), gives the XLA form's final hidden and the taps (the residual
+  stream after each layer)."""
   from ddtree_jax.config import ModelConfig
   cfg = ModelConfig(model_type="qwen3", vocab_size=50, hidden_size=64, intermediate_size=128,
                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=1e4)
@@ -108,28 +108,30 @@ def test_forward_hidden_and_taps_equal_xla_form():
   tokens = jnp.array([[3, 9, 4, 1, 7]], jnp.int32)
   pos = jnp.arange(5, dtype=jnp.int32)[None]
   mask = model.causal_mask(jnp.array([5]), 5)
-  run = lambda res_fn: model.forward(params, cfg, tokens, pos, cache, mask, (0, 1), res_fn=res_fn)
-  got = run(functools.partial(arn.residual_norm, splits=2))
-  want = run(None)
+  run = lambda k: model.forward(params, cfg, tokens, pos, cache, mask, (0, 1), kernels=k)
+  tuning = kernels.KernelTuning(residual_rows=(1, 64), residual_splits=((0, 2),),
+                                residual_min_depth=16)
+  kernel, launches = arn.add_rms_norm, []
+  monkeypatch.setattr(arn, "add_rms_norm", lambda p, *a, **kw: launches.append(p.shape) or
+                      kernel(p, *a, **kw))
+  got = run(kernels.Kernels("pallas", tuning=tuning))
+  assert len(launches) == 2 * cfg.num_layers  # every o and down site took the kernel
+  want = run(kernels.REFERENCE)
   for i in (0, 3):  # hidden, taps
     np.testing.assert_allclose(got[i], want[i], rtol=1e-5, atol=1e-5)
 
 
-def test_loop_config_picks_the_kernel_only_with_pallas_and_no_mesh():
-  from ddtree_jax import decode, sharding
+def test_kernel_switch_picks_the_kernel_only_with_pallas_and_no_mesh():
+  from ddtree_jax import sharding  # pylint: disable=import-outside-toplevel
   mesh = sharding.make_mesh({"dp": 2, "tp": 4})
-  assert decode.LoopConfig(method="ar", max_new_tokens=1).res_fn is model.residual_norm
-  assert decode.LoopConfig(method="ar", max_new_tokens=1, attention="pallas").res_fn is \
-      arn.residual_norm
-  assert decode.LoopConfig(method="ar", max_new_tokens=1, attention="pallas",
-                           mesh=mesh).res_fn is model.residual_norm
-
-
-def test_bench_script_smoke():
-  """experiments/bench_residual.py runs its tiny CPU configuration."""
-  sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "experiments"))
-  import bench_residual  # pylint: disable=import-outside-toplevel
-  bench_residual.main(["--smoke"])
+  assert kernels.Kernels().residual_norm is model.residual_norm
+  fn = kernels.Kernels("pallas").residual_norm
+  assert fn.func is arn.residual_norm and fn.keywords == {"tuning": kernels.KernelTuning()}
+  assert kernels.Kernels("pallas", mesh=mesh).residual_norm is model.residual_norm
+  off = kernels.Kernels("pallas").outside_verify  # prefill and drafter: XLA's form
+  assert off.tuning.residual_split_count(64, 4096) == 0 and off.attention == "pallas"
+  assert off == kernels.Kernels("pallas").outside_verify and hash(off) == hash(
+      kernels.Kernels("pallas").outside_verify)
 
 
 def test_kernel_refuses_what_triton_cannot_block():
@@ -146,7 +148,7 @@ def test_kernel_refuses_what_triton_cannot_block():
 def test_default_splits(rows, contracted, want):
   """XLA's form outside 64-128 rows and where no 2+ slices of >= 512 fit; inside, 8 or 4 slices
   that divide the contracted dim and are >= 512 deep."""
-  assert arn.default_splits(rows, contracted) == want
+  assert kernels.KernelTuning().residual_split_count(rows, contracted) == want
 
 
 @pytest.mark.parametrize("rows,contracted,splits", [(1, 4096, 4), (65, 4096, 4), (65, 12288, 8),
@@ -167,28 +169,26 @@ def test_lowers_for_h200(rows, contracted, splits):
 
 def test_decode_with_split_kernel_is_lossless(monkeypatch, tmp_path):
   """DDTree B=16 and chain (17 and 6 rows per sequence, 3 ragged prompts) with Pallas attention
-  in float32, the o and down GEMMs forced into 4 and 2 split-K slices (the tiny model's dims are
-  below the rule's 512-deep slices): the tokens equal XLA AR's. (Unique max_new_tokens: no step
-  compiled before the patch is reused.)"""
+  in float32, the o and down GEMMs forced into 4 and 2 split-K slices by the tuning (the tiny
+  model's dims are below the default 512-deep slices): the tokens equal XLA AR's."""
   prompts, m = [[3, 17, 99, 4, 250, 31, 8], [42], [9, 8, 7, 6, 5]], 11
   target = dj.load_target(os.path.join(FIXTURES, "qwen3_gqa"), dtype="float32")
   drafter = dj.load_drafter(write_drafter(str(tmp_path), target.config, block_size=6), target)
   ar = dj.generate(target, prompts, max_new_tokens=m, stop_token_ids=(), attention="xla").tokens
   drafter = oracle_drafter(drafter, prompts, ar, corruption=0.3)
-  cfg, seen = target.config, []
+  cfg = target.config
   o_dim, down_dim = cfg.num_heads * cfg.head_dim, cfg.intermediate_size
-
-  def rule(rows, contracted):
-    seen.append((rows, contracted))
-    return 0 if rows < 16 else 4 if contracted == o_dim else 2
-
-  monkeypatch.setattr(arn, "default_splits", rule)
+  assert o_dim > down_dim  # (least contracted dim, slices), first match
+  tuning = kernels.KernelTuning(residual_rows=(16, 1 << 20), residual_min_depth=16,
+                                residual_splits=((o_dim, 4), (down_dim, 2)))
   kernel, launches = arn.add_rms_norm, []
   monkeypatch.setattr(arn, "add_rms_norm", lambda p, *a, **kw: launches.append(p.shape) or
                       kernel(p, *a, **kw))
   for method, budget in (("ddtree", 16), ("chain", None)):
     out = dj.generate(target, prompts, method=method, drafter=drafter, budget=budget,
-                      max_new_tokens=m, stop_token_ids=(), attention="pallas")
+                      max_new_tokens=m, stop_token_ids=(), attention="pallas",
+                      kernel_tuning=tuning)
     assert out.tokens == ar, method
-  assert {(3 * 17, o_dim), (3 * 17, down_dim)} <= set(seen)  # the verify's o and down sites
-  assert {(4, 51, cfg.hidden_size), (2, 51, cfg.hidden_size)} <= set(launches)  # took the kernel
+  # the B=16 verify's o and down sites (3 x 17 rows) took the kernel; the prefill (3 x 16) not
+  assert {(4, 51, cfg.hidden_size), (2, 51, cfg.hidden_size)} <= set(launches)
+  assert all(rows != 48 for _, rows, _ in launches)

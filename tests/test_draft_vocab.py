@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import ddtree_jax as dj
-from ddtree_jax import checkpoint, decode, drafter as drafter_lib, sharding, training
+from ddtree_jax import decode, drafter as drafter_lib, hf_export, sharding, training
 from helpers import (PAIR_NEW_TOKENS, PAIR_PROMPTS, OracleConfig, oracle_drafter,
                      small_pair)
 
@@ -155,7 +155,7 @@ def test_bad_draft_vocab_is_refused_by_name(pair, tmp_path):
   with pytest.raises(ValueError, match="already restricted"):
     drafter_lib.restrict_vocab(sub, target.params, np.arange(4))
   with pytest.raises(ValueError, match="restricted draft vocabulary"):
-    checkpoint.save_drafter_hf(str(tmp_path / "out"), sub, d.config, target.config.num_layers)
+    hf_export.save_drafter_hf(str(tmp_path / "out"), sub, d.config, target.config.num_layers)
   with pytest.raises(ValueError, match="restricted draft vocabulary"):
     training.drafter_block_logits(sub, d.config, target.params, None, None, None)
 

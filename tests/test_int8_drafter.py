@@ -3,14 +3,14 @@
 
 import dataclasses
 
-import jax
+import chex
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import ddtree_jax as dj
-from ddtree_jax import checkpoint, model, sharding, training
+from ddtree_jax import hf_export, model, sharding, training
 from helpers import PAIR_NEW_TOKENS, PAIR_PROMPTS, small_pair
 
 M, PROMPTS = PAIR_NEW_TOKENS, PAIR_PROMPTS
@@ -95,14 +95,12 @@ def test_int8_context_kv_uses_the_stacked_weight(pair):
   pos = jnp.asarray(np.arange(10).reshape(2, 5), jnp.int32)
   got = d8.config.context(p, taps, pos)
   want = d8.config.context(dataclasses.replace(p, context_wkv=None), taps, pos)
-  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    np.testing.assert_array_equal(a, b)
+  chex.assert_trees_all_equal(got, want)
   # it reads the stacked weight, not the layers' own: zeroing theirs changes nothing
   zeroed = [dataclasses.replace(l, wkv=dataclasses.replace(l.wkv, q=jnp.zeros_like(l.wkv.q)))
             for l in layers]
-  for a, b in zip(jax.tree.leaves(d8.config.context(dataclasses.replace(p, layers=zeroed), taps,
-                                                    pos)), jax.tree.leaves(got)):
-    np.testing.assert_array_equal(a, b)
+  chex.assert_trees_all_equal(d8.config.context(dataclasses.replace(p, layers=zeroed), taps, pos),
+                              got)
   assert float(jnp.max(jnp.abs(got[0][0]))) > 0
 
 
@@ -138,7 +136,7 @@ def test_int8_drafter_is_not_saved_or_trained(pair, tmp_path):
   target, path, _ = pair
   d8 = dj.load_drafter(path, target, int8=True)
   with pytest.raises(ValueError, match="int8"):
-    checkpoint.save_drafter_hf(str(tmp_path / "out"), d8.params, d8.config,
+    hf_export.save_drafter_hf(str(tmp_path / "out"), d8.params, d8.config,
                                target.config.num_layers)
   with pytest.raises(ValueError, match="int8"):
     training.drafter_block_logits(d8.params, d8.config, target.params, None, None, None)

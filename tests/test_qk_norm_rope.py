@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import ddtree_jax as dj
 from conftest import FIXTURES
-from ddtree_jax import model, sharding
+from ddtree_jax import kernels, model, sharding
 from ddtree_jax.config import ModelConfig
 from ddtree_jax.pallas import qk_norm_rope
 qk_lib = importlib.import_module("ddtree_jax.pallas.qk_norm_rope")  # the module
@@ -93,7 +93,7 @@ def test_sharded_equals_unsharded(rules, n, k):
   put = lambda a, *spec: jax.device_put(a, NamedSharding(mesh, P(*spec)))
   placed = dataclasses.replace(layer, wq=put(layer.wq, None, "tp", None),
                                wkv=put(layer.wkv, None, None, kv, None))
-  fn = jax.jit(functools.partial(sharding.shard_qk_norm_rope(qk_norm_rope, mesh, rules), eps=1e-6))
+  fn = jax.jit(functools.partial(kernels.shard_qk_norm_rope(qk_norm_rope, mesh, rules), eps=1e-6))
   args = (placed, put(h, "dp"), put(cos, "dp"), put(sin, "dp"))
   assert "pallas_call" in str(jax.make_jaxpr(fn)(*args))
   got = fn(*args)
@@ -135,7 +135,8 @@ def test_fused_projection(dtype, splits):
 
 
 def test_split_rule_and_xla_path_of_fused_layers():
-  assert [qk_lib.default_splits(r) for r in (1, 31, 32, 33, 65, 128, 129)] == [0, 0, 2, 2, 2, 2, 0]
+  rule = kernels.KernelTuning().qkv_split_count
+  assert [rule(r) for r in (1, 31, 32, 33, 65, 128, 129)] == [0, 0, 2, 2, 2, 2, 0]
   layer = _layer(32, 4, 2, 16, jnp.float32, fused=True)
   _, _, _, _, cos, sin = _inputs(1, 2, 4, 2, 16, jnp.float32)
   h = jnp.ones((1, 2, 32), jnp.float32)
@@ -168,7 +169,7 @@ def test_split_rule_and_xla_path_of_fused_layers():
 def test_project_hook_takes_xla_path_where_kernel_does_not_apply(case, fused):
   """Where the kernel would fall back (Llama, D/2 not a power of two, a float32 norm or fused
   weight with bf16 activations), the hook is `model.project_norm_rope` as it is: no kernel and
-  no split-K, even at row counts where `default_splits` splits."""
+  no split-K, even at row counts where the tuning splits."""
   d = 24 if case == "half_dim_not_pow2" else 16
   dtype = jnp.bfloat16 if case in ("mixed_dtypes", "fused_weight_dtype") else jnp.float32
   layer = _layer(32, 4, 2, d, dtype, fused=fused)
@@ -180,7 +181,7 @@ def test_project_hook_takes_xla_path_where_kernel_does_not_apply(case, fused):
     layer = dataclasses.replace(layer, wqkv=layer.wqkv.astype(jnp.float32))
   _, _, _, _, cos, sin = _inputs(1, 40, 4, 2, d, dtype)
   h = jnp.asarray(np.random.default_rng(3).standard_normal((1, 40, 32)), dtype)
-  assert qk_lib.default_splits(40) == 2
+  assert kernels.KernelTuning().qkv_split_count(40) == 2
   hook = functools.partial(qk_lib.project_qk_norm_rope, eps=1e-6)
   jaxpr = str(jax.make_jaxpr(hook)(layer, h, cos, sin))
   assert "pallas_call" not in jaxpr and "float32[2," not in jaxpr
@@ -223,20 +224,20 @@ def test_fused_operand_lowers_for_h200(t, splits):
   verify_triton_ir(calls[0])
 
 
-def test_loop_config_hook():
-  from ddtree_jax import decode  # pylint: disable=import-outside-toplevel
+def test_kernel_switch_picks_the_projection():
   mesh = sharding.make_mesh({"dp": 2, "tp": 4})
-  assert decode.LoopConfig(method="ar", max_new_tokens=1).qk_fn is model.project_norm_rope
-  assert decode.LoopConfig(method="ar", max_new_tokens=1, attention="pallas").qk_fn is \
-      qk_lib.project_qk_norm_rope
-  fn = decode.LoopConfig(method="ar", max_new_tokens=1, attention="pallas", mesh=mesh).qk_fn
+  tuning = kernels.KernelTuning(qkv_splits=4)
+  assert kernels.Kernels().project_qkv is model.project_norm_rope
+  fn = kernels.Kernels("pallas", tuning=tuning).project_qkv
+  assert fn.func is qk_lib.project_qk_norm_rope and fn.keywords == {"tuning": tuning}
+  fn = kernels.Kernels("pallas", mesh=mesh).project_qkv
   assert fn.__qualname__.startswith("shard_qk_norm_rope")
 
 
 def test_loaded_target_is_fused_and_exports_the_same(tmp_path):
   """load_target fuses q/k/v on one device (not on a mesh, not with fuse_qkv=False); both
   layouts give the same forward and export the same HF tensors."""
-  from ddtree_jax import checkpoint  # pylint: disable=import-outside-toplevel
+  from ddtree_jax import checkpoint, hf_export  # pylint: disable=import-outside-toplevel
   path = os.path.join(FIXTURES, "qwen3_gqa")
   fused = dj.load_target(path, dtype="float32")
   plain = dj.load_target(path, dtype="float32", fuse_qkv=False)
@@ -249,9 +250,9 @@ def test_loaded_target_is_fused_and_exports_the_same(tmp_path):
   np.testing.assert_allclose(dj.forward_logits(fused, tokens),
                              dj.forward_logits(plain, tokens), rtol=1e-5, atol=1e-5)
   a = checkpoint.read_checkpoint_tensors(
-      checkpoint.save_target_hf(str(tmp_path / "f"), fused.params, cfg, dtype="float32"))
+      hf_export.save_target_hf(str(tmp_path / "f"), fused.params, cfg, dtype="float32"))
   b = checkpoint.read_checkpoint_tensors(
-      checkpoint.save_target_hf(str(tmp_path / "p"), plain.params, cfg, dtype="float32"))
+      hf_export.save_target_hf(str(tmp_path / "p"), plain.params, cfg, dtype="float32"))
   assert sorted(a) == sorted(b)
   for name in a:
     np.testing.assert_array_equal(a[name], b[name])
@@ -281,8 +282,7 @@ def test_joined_reads_slices_of_the_concatenation():
 def test_fused_decode_with_forced_splits_is_lossless(monkeypatch, tmp_path):
   """DDTree B=16 and chain (17 and 6 rows per sequence, 3 ragged prompts) with Pallas attention
   in float32 on the fused target, its q/k/v projection forced into 4 split-K slices summed by
-  the kernel: the tokens equal XLA AR's on the unfused target. (Unique max_new_tokens: no step
-  compiled before the patch is reused.)"""
+  the kernel (`KernelTuning`): the tokens equal XLA AR's on the unfused target."""
   prompts, m = [[3, 17, 99, 4, 250, 31, 8], [42], [9, 8, 7, 6, 5]], 13
   path = os.path.join(FIXTURES, "qwen3_gqa")
   target = dj.load_target(path, dtype="float32")
@@ -290,13 +290,14 @@ def test_fused_decode_with_forced_splits_is_lossless(monkeypatch, tmp_path):
   drafter = dj.load_drafter(write_drafter(str(tmp_path), target.config, block_size=6), target)
   ar = dj.generate(plain, prompts, max_new_tokens=m, stop_token_ids=(), attention="xla").tokens
   drafter = oracle_drafter(drafter, prompts, ar, corruption=0.3)
-  monkeypatch.setattr(qk_lib, "default_splits", lambda rows: 4 if rows >= 16 else 0)
+  tuning = kernels.KernelTuning(qkv_splits=4, qkv_rows=(16, 1 << 20))
   kernel, launches = qk_lib.qkv_norm_rope, []
   monkeypatch.setattr(qk_lib, "qkv_norm_rope", lambda p, *a, **kw: launches.append(p.shape) or
                       kernel(p, *a, **kw))
   for method, budget in (("ddtree", 16), ("chain", None)):
     out = dj.generate(target, prompts, method=method, drafter=drafter, budget=budget,
-                      max_new_tokens=m, stop_token_ids=(), attention="pallas")
+                      max_new_tokens=m, stop_token_ids=(), attention="pallas",
+                      kernel_tuning=tuning)
     assert out.tokens == ar, method
   cfg = target.config
   heads = cfg.num_heads + 2 * cfg.num_kv_heads

@@ -1,4 +1,4 @@
-"""Tensor parallelism on 8 forced CPU devices: sharded == unsharded (DESIGN.md invariant 6)."""
+"""Tensor parallelism on 8 forced CPU devices: sharded == unsharded (docs/design.md §8)."""
 
 import functools
 import os
@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import ddtree_jax as dj
 from conftest import FIXTURES
-from ddtree_jax import checkpoint, decode, sharding, tree, verify
+from ddtree_jax import checkpoint, decode, kernels, sharding, tree, verify
 from ddtree_jax import drafter as drafter_lib
 from ddtree_jax.attention import attend_xla
 from helpers import oracle_drafter, write_drafter, write_target
@@ -148,10 +148,10 @@ def test_shard_embed_lookup_equals_plain_lookup(shape, batch):
   table = jax.device_put(table, NamedSharding(mesh, P("tp", None)))
   ids = jnp.asarray(np.arange(batch * 7 * 5).reshape(batch, 7, 5) * 7 % vocab, jnp.int32)
   ids = ids.at[0, 0, :2].set(jnp.asarray([0, vocab - 1]))
-  got = jax.jit(sharding.shard_embed_lookup(mesh))(table, ids)
+  got = jax.jit(kernels.shard_embed_lookup(mesh))(table, ids)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(table)[np.asarray(ids)])
   # one all-reduce of the rows, never an all-gather of the table
-  hlo = jax.jit(sharding.shard_embed_lookup(mesh)).lower(table, ids).compile().as_text()
+  hlo = jax.jit(kernels.shard_embed_lookup(mesh)).lower(table, ids).compile().as_text()
   assert "all-gather" not in hlo and "all-reduce" in hlo
 
 
@@ -218,7 +218,7 @@ def test_shard_attention_equals_unsharded(kernel, shape, rules, hq, hkv):
   specs = (P("dp", None, rules.heads, None), P("dp", kv, None, None), P("dp", kv, None, None),
            P("dp"), P("dp", None, kv, None), P("dp", None, kv, None), P("dp", None, None))
   placed = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs)]
-  wrapped = sharding.shard_attention(fn, mesh, rules)
+  wrapped = kernels.shard_attention(fn, mesh, rules)
   got = jax.jit(functools.partial(wrapped, scale=0.25))(*placed)
   want = jax.jit(functools.partial(attend_xla, scale=0.25))(*args)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
@@ -232,7 +232,8 @@ def test_drafter_forward_with_sharded_attention(reference):
   tokens, lens = jnp.asarray([PROMPTS[0], PROMPTS[0][::-1]]), jnp.asarray([7, 5], jnp.int32)
   out = []
   for t, d, m in ((ref_target, ref_drafter, None), (target, drafter, mesh)):
-    lc = decode.LoopConfig(method="chain", max_new_tokens=2, num_drafts=7, mesh=m)
+    lc = decode.LoopConfig(method="chain", max_new_tokens=2, num_drafts=7,
+                           kernels=kernels.Kernels(mesh=m))
     st = decode.prefill(t.params, d.params, tokens, lens, jax.random.key(0), tcfg=t.config,
                         dcfg=d.config, lc=lc, capacity=16)
     if m is not None:
@@ -240,7 +241,7 @@ def test_drafter_forward_with_sharded_attention(reference):
       assert _laid_out(st.cache.k, P(None, "dp", "tp"))
       assert _laid_out(st.cache.lens, P("dp")) and _laid_out(st.out, P("dp"))
     draft = jax.jit(lambda dp, tp, c, b, lc=lc: drafter_lib.draft_logits(
-        dp, d.config, tp, c, b, lc.attn_fn))
+        dp, d.config, tp, c, b, lc.kernels))
     out.append(np.asarray(draft(d.params, t.params, st.draft_cache, st.bonus)))
   np.testing.assert_allclose(out[1], out[0], rtol=1e-5, atol=1e-5)
 

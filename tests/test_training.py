@@ -6,13 +6,14 @@ import functools
 import importlib.util
 import os
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import ddtree_jax as dj
-from ddtree_jax import checkpoint, data, model, training
+from ddtree_jax import data, hf_export, model, train_loop, training
 from ddtree_jax import drafter as drafter_lib
 from ddtree_jax.config import ModelConfig
 
@@ -52,7 +53,7 @@ def _train_target(workdir, corpus, **over):
   params = model.init_params(cfg, jax.random.key(0), jnp.float32)
   tc = _tc("train_target", num_steps=8, save_every=4, eval_every=0, lr=1e-2, batch_size=4,
            keep_best=False, **over)
-  return training.train(
+  return train_loop.train(
       name="target", workdir=str(workdir), params=params,
       loss_fn=functools.partial(training.target_loss, cfg=cfg, compute_dtype=jnp.float32),
       frozen=None, eval_fn=None, tc=tc,
@@ -99,7 +100,7 @@ def test_target_export_round_trip(target, tmp_path):
   tgt, _ = target
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 300, (2, 11)), jnp.int32)
   ref = dj.forward_logits(tgt, tokens)
-  path = checkpoint.save_target_hf(str(tmp_path / "f32"), tgt.params, tgt.config, tgt.tokenizer,
+  path = hf_export.save_target_hf(str(tmp_path / "f32"), tgt.params, tgt.config, tgt.tokenizer,
                                    dtype="float32")
   loaded = dj.load_target(path, dtype="float32")
   assert loaded.config == tgt.config
@@ -108,10 +109,9 @@ def test_target_export_round_trip(target, tmp_path):
   # untied lm_head, bfloat16 file: every tensor is the bf16 rounding of ours
   cfg = dataclasses.replace(tgt.config, tie_word_embeddings=False)
   params = model.init_params(cfg, jax.random.key(3), jnp.float32, std=0.3)
-  path = checkpoint.save_target_hf(str(tmp_path / "bf16"), params, cfg, dtype="bfloat16")
+  path = hf_export.save_target_hf(str(tmp_path / "bf16"), params, cfg, dtype="bfloat16")
   loaded = dj.load_target(path, dtype="bfloat16", fuse_qkv=False)  # init_params' layout
-  for a, b in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(params)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b.astype(jnp.bfloat16)))
+  chex.assert_trees_all_equal(loaded.params, jax.tree.map(lambda b: b.astype(jnp.bfloat16), params))
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +139,7 @@ def drafter(target, tmp_path_factory):
   loss_fn = functools.partial(training.drafter_loss, dcfg=dcfg, tcfg=tgt.config, gamma=4.0,
                               compute_dtype=jnp.float32)
   batch_fn = lambda s: data.drafter_batch(seqs, lens, plens, 3, 12, 0, s)
-  params, summary = training.train(
+  params, summary = train_loop.train(
       name="drafter", workdir=str(tmp_path_factory.mktemp("drafter")),
       params=training.init_drafter_params(dcfg, jax.random.key(1), std=0.1), loss_fn=loss_fn,
       frozen=tgt.params, batch_fn=batch_fn, eval_fn=None, tc=tc)
@@ -194,12 +194,11 @@ def test_training_forward_equals_draft_logits(target, drafter, tmp_path):
     np.testing.assert_allclose(np.asarray(got[i]), _draft(tgt, dft, tokens, a), rtol=1e-5,
                                atol=1e-5)
   # z-lab export round trip: same params, same decode-time logits, loadable by load_drafter
-  path = checkpoint.save_drafter_hf(str(tmp_path / "d"), dft.params, dft.config,
+  path = hf_export.save_drafter_hf(str(tmp_path / "d"), dft.params, dft.config,
                                     tgt.config.num_layers, dtype="float32")
   loaded = dj.load_drafter(path, tgt)
   assert loaded.config == dft.config
-  for x, y in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(dft.params)):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  chex.assert_trees_all_equal(loaded.params, dft.params)
   np.testing.assert_array_equal(_draft(tgt, loaded, tokens, 9), _draft(tgt, dft, tokens, 9))
 
 

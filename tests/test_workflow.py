@@ -15,15 +15,10 @@ import pytest
 
 from conftest import FIXTURES
 
+import helpers
+from experiments import bench_matrix, coding_eval, draw_tree, workflow
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "experiments"))
-
-import bench_matrix  # noqa: E402
-import coding_eval  # noqa: E402
-import draw_tree  # noqa: E402
-import workflow  # noqa: E402
-
-import helpers  # noqa: E402
 
 TARGET = os.path.join(FIXTURES, "qwen3_gqa")
 
@@ -96,7 +91,7 @@ def test_unknown_keys_list_valid_keys():
 
 def test_cli_bad_input_exits_with_message():
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-  cmd = [sys.executable, "experiments/bench_matrix.py", "--config=configs/bench_smoke.py"]
+  cmd = [sys.executable, "-m", "experiments.bench_matrix", "--config=configs/bench_smoke.py"]
   r = subprocess.run(cmd + ["--config.budget=8"], cwd=REPO, env=env, capture_output=True,
                      text=True, timeout=120)
   assert r.returncode != 0 and "Did you mean 'budgets'" in r.stderr

@@ -1,19 +1,14 @@
 """Pallas (Triton GPU) kernel: the o / down projection's split-K sum, the residual add and the
 next RMSNorm, in one launch.
 
-At 33 and 65 rows (B=32, 64) XLA splits the o and down GEMMs over K into float32 partials and
-then runs two more kernels per site: the partials' sum with the residual add, and the next
-block's RMSNorm (XLA does not fuse a reduction over the splits with one over the hidden dim).
-`residual_norm` makes the split explicit (a batched dot over S slices of the contracted dim,
-float32 out) and this kernel does the rest, one program per token row: 2 kernels per site
-instead of 3. The roundings are those of `model.residual_norm`'s XLA form: the projection
-rounded to x's dtype, the add rounded, then `model.rms_norm`.
-
-On the H200 (Qwen3-8B, B=64 verify, 65 rows; WORKSPACE.md, fourteenth session) the o site went
-from ~680 us per step (GEMM, ~half of the sum + add kernels, ~half of the norms) to 436 + 121 us
-and the down site stayed even (S=8; with S=4 XLA split the batched dot again and added a reduce
-kernel); loading all S partials as one [S, H] block then cut the down site's kernel from 200
-to 146 us per step (fifteenth session). `default_splits` uses it at 64-128 rows only.
+At verify row counts XLA splits the o and down GEMMs over K into float32 partials and then runs
+two more kernels per site: the partials' sum with the residual add, and the next block's RMSNorm
+(it does not fuse a reduction over the splits with one over the hidden dim). `residual_norm`
+makes the split explicit (a batched dot over S slices of the contracted dim, float32 out) and
+this kernel does the rest, one program per token row: 2 kernels per site instead of 3. The
+roundings are those of `model.residual_norm`'s XLA form: the projection rounded to x's dtype,
+the add rounded, then `model.rms_norm`. Where it pays: `KernelTuning.residual_*`
+(WORKSPACE.md, Findings: Fused glue kernels).
 """
 
 from __future__ import annotations
@@ -28,13 +23,13 @@ from jax.experimental.pallas import triton as plgpu
 
 from ddtree_jax import model
 from ddtree_jax.attention import einsum_f32
+from ddtree_jax.kernels import KernelTuning
 
 
 def _kernel(p_ref, x_ref, w_ref, xo_ref, ho_ref, *, eps):
   f32, dt = jnp.float32, xo_ref.dtype
   rnd = lambda v: v.astype(dt).astype(f32)
-  # One [S, H] load of every slice, summed by a reduce over S: on the H200 at S = 8 that was
-  # ~2 us per call faster than S row loads added in order (WORKSPACE.md, fifteenth session).
+  # One [S, H] load of every slice summed by a reduce beat S row loads added in order.
   y = jnp.sum(p_ref[:, 0, :], axis=0)
   x = rnd(x_ref[0].astype(f32) + rnd(y))
   r = jax.lax.rsqrt(jnp.mean(x * x) + eps)
@@ -48,13 +43,11 @@ def supported(hidden: int, splits: int, dtypes) -> bool:
   return pow2(hidden) and pow2(splits) and len(set(dtypes)) == 1
 
 
-NUM_WARPS = 8  # per program (one token row)
-
-
-@functools.partial(jax.jit, static_argnames=("eps", "interpret"))
-def add_rms_norm(partials, x, weight, *, eps, interpret=None):
+@functools.partial(jax.jit, static_argnames=("eps", "num_warps", "interpret"))
+def add_rms_norm(partials, x, weight, *, eps, num_warps: int = 8, interpret=None):
   """partials [S, R, H] float32 (the projection's split-K terms), x [R, H], weight [H] (x's dtype)
   -> (x + sum(partials), its RMSNorm with weight), both [R, H] in x's dtype. Needs `supported`.
+  num_warps: per program (one token row).
 
   interpret: None = interpret mode on a CPU default backend, compiled Triton otherwise."""
   s, r, h = partials.shape
@@ -72,32 +65,18 @@ def add_rms_norm(partials, x, weight, *, eps, interpret=None):
       out_specs=[row, row],
       out_shape=[jax.ShapeDtypeStruct((r, h), x.dtype)] * 2,
       interpret=interpret,
-      compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS),
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps),
       name="add_rms_norm",
   )(partials.astype(jnp.float32), x, weight)
 
 
-def default_splits(rows: int, contracted: int) -> int:
-  """Split-K slices of a [rows, contracted] x [contracted, H] projection for 64-128 rows: 8 for a
-  contracted dim of 8192+ (down), else 4 (o), halved until they divide it and each is >= 512 deep.
-  0 (XLA's own form, `model.residual_norm`) for other row counts and where no split of >= 512
-  remains: at 33 rows (B=32) the fused form cost ~70 us more kernel time per step than XLA's, at
-  1 row (AR) it was much slower, and past 128 rows (B=128, batch 8) whole steps came out even
-  (WORKSPACE.md, fourteenth session)."""
-  if not 64 <= rows <= 128:
-    return 0
-  s = 8 if contracted >= 8192 else 4
-  while s > 1 and (contracted % s or contracted // s < 512):
-    s //= 2
-  return s if s > 1 else 0
-
-
-def residual_norm(x, spec, a, w, norm, *, eps, splits=None, interpret=None):
+def residual_norm(x, spec, a, w, norm, *, eps, splits=None, tuning: KernelTuning = KernelTuning(),
+                  interpret=None):
   """`model.residual_norm` with the projection's split-K made explicit and its sum, the residual
   add and the RMSNorm in one kernel: x [B, T, H], spec "bt<c>,<c>h->bth" contracting a's trailing
   dims <c> with w's leading ones, norm [H]. Int8 weights, mixed dtypes and sizes Triton cannot
-  block take `model.residual_norm`. splits: None = `default_splits` (0: XLA's form); interpret as
-  `add_rms_norm`'s."""
+  block take `model.residual_norm`. splits: None = the tuning's `residual_split_count` (0: XLA's
+  form); the tuning also gives the warps and, when interpret is None, interpret mode."""
   (xs, ws), out = spec.split("->")[0].split(","), spec.split("->")[1]
   if len(xs) < 3 or xs[2:] != ws[:-1] or out != xs[:2] + ws[-1]:
     raise ValueError(f"residual_norm: spec {spec!r} must be 'bt<c>,<c>h->bth'")
@@ -106,11 +85,13 @@ def residual_norm(x, spec, a, w, norm, *, eps, splits=None, interpret=None):
     raise ValueError(f"residual_norm: a {a.shape} and w {tuple(w.shape)} do not match x {x.shape} "
                      f"under {spec!r}")
   c = math.prod(a.shape[2:])
-  s = default_splits(b * t, c) if splits is None else splits
+  s = tuning.residual_split_count(b * t, c) if splits is None else splits
   if (isinstance(w, model.Int8Weight) or not s or c % s
       or not supported(h, s, (x.dtype, a.dtype, w.dtype, norm.dtype))):
     return model.residual_norm(x, spec, a, w, norm, eps=eps)
   r = b * t
   partials = einsum_f32("rsc,sch->srh", a.reshape(r, s, c // s), w.reshape(s, c // s, h))
-  x, hn = add_rms_norm(partials, x.reshape(r, h), norm, eps=eps, interpret=interpret)
+  x, hn = add_rms_norm(partials, x.reshape(r, h), norm, eps=eps,
+                       num_warps=tuning.residual_warps,
+                       interpret=tuning.interpret if interpret is None else interpret)
   return x.reshape(b, t, h), hn.reshape(b, t, h)

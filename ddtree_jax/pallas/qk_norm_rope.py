@@ -1,7 +1,7 @@
 """Pallas (Triton GPU) kernel: Qwen3's q/k RMSNorm + RoPE and the v rows, in one launch, from
 the q/k/v projections' output or its split-K partials.
 
-`project_qk_norm_rope` has `model.project_norm_rope`'s contract (the `qk_fn` hook),
+`project_qk_norm_rope` has `model.project_norm_rope`'s contract (`Kernels.project_qkv`),
 `qk_norm_rope` that of `model.norm_rope`. After the q and k/v projections XLA runs five small
 kernels per layer (the split-K sum with v's slice, k's norm, k's RoPE, q's norm, q's RoPE:
 RoPE's rotate-half concatenate keeps it out of the norm's fusion); this kernel does all of it. It reads
@@ -30,6 +30,7 @@ from jax.experimental import pallas as pl
 
 from ddtree_jax import model
 from ddtree_jax.attention import einsum_f32
+from ddtree_jax.kernels import KernelTuning
 
 
 def _norm_rope(x1, x2, w1, w2, c, s, eps, dt):
@@ -138,34 +139,28 @@ def qk_norm_rope(q, kv, q_norm, k_norm, cos, sin, *, eps, interpret=None):
   return qkv_norm_rope(parts, q_norm, k_norm, cos, sin, n=n, eps=eps, interpret=interpret)
 
 
-def default_splits(rows: int) -> int:
-  """Split-K slices of a fused q/k/v projection that `project_qk_norm_rope` makes explicit, by
-  token rows = batch x tree nodes: 2 at 32-128 rows, else 0 (XLA's GEMM, its partials summed by
-  XLA). On the H200 (Qwen3-8B) 2 slices beat 0 and 4 at 33 and 65 rows (B=32 and B=64 trees at
-  batch 1); other row counts in the range (e.g. the chain at batch 8, AR at batch 32-128) are
-  unmeasured (WORKSPACE.md, fifteenth session)."""
-  return 2 if 32 <= rows <= 128 else 0
-
-
-def project_qk_norm_rope(layer, h, cos, sin, *, eps, splits=None, interpret=None):
-  """`model.project_norm_rope` (the hook `model.project_qkv` calls) with the norms and RoPE in
-  the kernel: h [B, T, H]. A fused layer (`model.fuse_qkv`) with splits (None:
-  `default_splits`) >= 2 dividing H runs its projection as a batched dot over slices of H into
-  float32 partials, which the kernel sums; otherwise `model.dense` (int8 weights too) feeds it.
+def project_qk_norm_rope(layer, h, cos, sin, *, eps, splits=None,
+                         tuning: KernelTuning = KernelTuning(), interpret=None):
+  """`model.project_norm_rope` (`Kernels.project_qkv`) with the norms and RoPE in the kernel:
+  h [B, T, H]. A fused layer (`model.fuse_qkv`) with splits (None: the tuning's
+  `qkv_split_count` for B x T rows) >= 2 dividing H runs its projection as a batched dot over
+  slices of H into float32 partials, which the kernel sums; otherwise `model.dense` feeds it.
   Where the kernel does not apply (no q/k norms, D/2 not a power of two, h, a fused weight,
-  norms and cos of more than one dtype): `model.project_norm_rope`, unsplit."""
+  norms and cos of more than one dtype): `model.project_norm_rope`, unsplit. interpret: as
+  `qkv_norm_rope`'s (None: the tuning's)."""
   w = layer.wqkv
   dtypes = {h.dtype, cos.dtype} | ({w.dtype} if w is not None else set())
   if (layer.q_norm is None or layer.k_norm is None or
       not supported(cos.shape[-1], dtypes | {layer.q_norm.dtype, layer.k_norm.dtype})):
     return model.project_norm_rope(layer, h, cos, sin, eps=eps)
+  interpret = tuning.interpret if interpret is None else interpret
   if w is None:
     return qk_norm_rope(model.dense("bth,hnd->btnd", h, layer.wq),
                         model.dense("bth,hskd->btskd", h, layer.wkv), layer.q_norm, layer.k_norm,
                         cos, sin, eps=eps, interpret=interpret)
   b, t, hid = h.shape
   n = layer.wo.shape[0]
-  s = default_splits(b * t) if splits is None else splits
+  s = tuning.qkv_split_count(b * t) if splits is None else splits
   if s >= 2 and hid % s == 0:
     parts = einsum_f32("rsc,scm->srm", h.reshape(b * t, s, hid // s),
                        w.reshape(s, hid // s, w.shape[1] * w.shape[2]))

@@ -34,9 +34,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from ddtree_jax.kernels import DEFAULT_SM_COUNT, KernelTuning
+
 NEG_INF = -1e30  # finite, so fully masked rows never produce inf - inf = NaN
 LOG2_E = 1.4426950408889634  # scores are kept in base 2 in the kernel: exp2 is the fast path
-DEFAULT_SM_COUNT = 132  # H100/H200; used when the device does not report its core count
 
 
 def _next_pow2(x: int) -> int:
@@ -171,14 +172,15 @@ def _kernel(plen_ref, layer_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, mask_ref, 
                 mask=_and(t_ok[:, None], None if g_ok is None else g_ok[None, :]))
 
 
-def default_config(batch, t_len, hq, hkv, cap, head_dim, *, sm_count=None):
-  """Static launch parameters: (block_t, block_k, block_n, num_splits, num_warps, num_stages)."""
+def default_config(batch, t_len, hq, hkv, cap, head_dim, *, sm_count=DEFAULT_SM_COUNT):
+  """The launch rule: (block_t, block_k, block_n, num_splits, num_warps, num_stages), fitted to
+  H200 measurements (experiments/perf/sweep_attention.py; WORKSPACE.md, Findings: Attention
+  kernel)."""
   g = hq // hkv
   gp = _next_pow2(g)
-  sm = sm_count or DEFAULT_SM_COUNT
-  # Query rows per program: 128 (8 warps) once that still gives about a wave of programs without
-  # split-K (big trees at batch > 1: compute-bound, bigger tiles win), else up to 64 (4 warps).
-  # Measured on one H200 (experiments/bench_attention.py).
+  sm = sm_count
+  # Query rows per program: 128 (8 warps) once that still fills about a wave without split-K
+  # (big trees at batch > 1 are compute-bound), else up to 64 (4 warps).
   big = t_len * gp * batch * hkv >= 128 * (3 * sm // 4)
   rows = max(16, min(128 if big else 64, _next_pow2(t_len * gp)), gp)
   block_t = rows // gp
@@ -186,16 +188,10 @@ def default_config(batch, t_len, hq, hkv, cap, head_dim, *, sm_count=None):
   block_n = min(block_k, max(16, _next_pow2(t_len)))
   row_blocks = pl.cdiv(t_len, block_t)
   base = row_blocks * batch * hkv
-  # Split-K factor, fitted to H200 measurements (experiments/sweep_attention.py, profile_step.py).
-  # The new keys' blocks count as split work (`split_blocks`). Few query rows (decode, drafter
-  # block: memory-bound) want about one wave of programs, down to one key block per split: at a
-  # 1K prefix the old minimum of 8 blocks per split (1 split at batch 1) was 1.3-2.1x slower.
-  # Trees never want one split; two once a split has >= 128 programs; fewer programs want one
-  # full wave (a partial second wave cost B=32 and B=64 at a 1K prefix 80 us per step) or, in
-  # long caches, chunks of about 1024 keys, whichever splits more, but at least 3 key blocks per
-  # split. Inside the real step at a 1K prefix that is 5 splits for B=32 (36 layers' kernels
-  # 313 -> 286 us against 4) and 3 for B=64 (523 -> 396 us against 2) (WORKSPACE.md,
-  # thirteenth session).
+  # Split-K over the key blocks (the new keys' blocks count too, `split_blocks`). Few query rows
+  # (decode, drafter block: memory-bound) want about one wave of programs; trees never want one
+  # split, two once a split has >= 128 programs, else one full wave (a partial second wave is
+  # slow) or chunks of ~1024 keys in long caches, whichever splits more, >= 3 key blocks each.
   key_blocks = pl.cdiv(cap, block_k) + pl.cdiv(t_len, block_n)
   if t_len * g <= 64:
     num_splits = max(1, min(pl.cdiv(sm, base), key_blocks, 64))
@@ -208,18 +204,25 @@ def default_config(batch, t_len, hq, hkv, cap, head_dim, *, sm_count=None):
   return block_t, block_k, block_n, num_splits, num_warps, num_stages
 
 
-def _device_sm_count():
-  try:
-    return getattr(jax.devices()[0], "core_count", None)
-  except Exception:  # pylint: disable=broad-except
-    return None
+LAUNCH_NAMES = ("block_t", "block_k", "block_n", "num_splits", "num_warps", "num_stages")
+
+
+def launch_config(batch, t_len, hq, hkv, cap, head_dim, tuning: KernelTuning = KernelTuning()):
+  """`default_config` on the tuning's SM count, with its `tree_launch` parameters replacing the
+  rule's for trees (more than 64 query rows per kv head). Returns {LAUNCH_NAMES: value}."""
+  cfg = dict(zip(LAUNCH_NAMES, default_config(batch, t_len, hq, hkv, cap, head_dim,
+                                              sm_count=tuning.device_sm_count())))
+  if tuning.tree_launch and t_len * (hq // hkv) > 64:
+    cfg.update(tuning.tree_launch)
+    cfg["block_n"] = min(cfg["block_k"], max(16, _next_pow2(t_len)))
+  return cfg
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "layer", "interpret", "block_k", "num_splits",
-                                             "block_rows", "num_warps", "num_stages"))
+                                             "block_rows", "num_warps", "num_stages", "tuning"))
 def tree_attention(q, k_cache, v_cache, prefix_len, k_new, v_new, new_mask, *, scale, layer=None,
                    interpret=None, block_k=None, num_splits=None, block_rows=None,
-                   num_warps=None, num_stages=None):
+                   num_warps=None, num_stages=None, tuning: KernelTuning = KernelTuning()):
   """Masked attention of T new tokens over a cached prefix plus themselves (Pallas/Triton).
 
   Args:
@@ -236,6 +239,8 @@ def tree_attention(q, k_cache, v_cache, prefix_len, k_new, v_new, new_mask, *, s
     num_splits: split-K factor over the key blocks (prefix and new); default by shape.
     block_rows: query rows (tokens x padded GQA group) per program, power of two >= 16.
     num_warps, num_stages: Triton launch parameters.
+    tuning: the launch rule's SM count and tree override (`launch_config`), and interpret mode
+      when `interpret` is None; the arguments above override it.
   Returns:
     [B, T, Hq, D] in q's dtype. Softmax statistics are float32. Rows that see no key give 0.
   """
@@ -252,8 +257,7 @@ def tree_attention(q, k_cache, v_cache, prefix_len, k_new, v_new, new_mask, *, s
   g = hq // hkv
   gp, dp = _next_pow2(g), max(16, _next_pow2(d))
 
-  bt, bk, bn, ns, nw, nst = default_config(b, t_len, hq, hkv, cap, d,
-                                           sm_count=_device_sm_count())
+  bt, bk, bn, ns, nw, nst = launch_config(b, t_len, hq, hkv, cap, d, tuning).values()
   if block_rows is not None:
     if block_rows < 16 or block_rows & (block_rows - 1):
       raise ValueError(f"block_rows={block_rows} must be a power of two >= 16")
@@ -266,6 +270,8 @@ def tree_attention(q, k_cache, v_cache, prefix_len, k_new, v_new, new_mask, *, s
   ns = ns if num_splits is None else max(1, int(num_splits))
   nw = nw if num_warps is None else num_warps
   nst = nst if num_stages is None else num_stages
+  if interpret is None:
+    interpret = tuning.interpret
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
 
@@ -335,14 +341,13 @@ def merge_splits(o, lse):
   return acc / weight[..., None]
 
 
-def attention_config(q_shape, cache_shape, *, sm_count=None):
-  """The default launch parameters tree_attention would pick, for logging/benchmarks."""
+def attention_config(q_shape, cache_shape, tuning: KernelTuning = KernelTuning()):
+  """The launch parameters tree_attention picks for q [B, T, Hq, D] over caches [B, Hkv, S, D]
+  (logging, benchmarks)."""
   b, t_len, hq, d = q_shape
   _, hkv, cap, _ = cache_shape
-  names = ("block_t", "block_k", "block_n", "num_splits", "num_warps", "num_stages")
-  return dict(zip(names, default_config(b, t_len, hq, hkv, cap, d,
-                                        sm_count=sm_count or _device_sm_count())))
+  return launch_config(b, t_len, hq, hkv, cap, d, tuning)
 
 
-__all__ = ["tree_attention", "attention_config", "default_config", "merge_splits", "split_blocks",
-           "NEG_INF"]
+__all__ = ["tree_attention", "attention_config", "default_config", "launch_config",
+           "merge_splits", "split_blocks", "NEG_INF"]

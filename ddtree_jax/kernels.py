@@ -1,0 +1,274 @@
+"""The kernel switch: which implementation of each hot operation the model runs.
+
+`Kernels(attention, mesh, rules, tuning)` is built once per configuration and handed to
+`model.forward`, the drafter and the verify. It is compared and hashed by those four fields, so it
+is a jit static argument: each configuration compiles its own program. It holds
+
+  attend         the attention contract (`attention.attend_xla`; Pallas `tree_attention`)
+  project_qkv    q/k/v projections + q/k RMSNorm + RoPE (`model.project_norm_rope`; Pallas)
+  residual_norm  the residual add + next RMSNorm after o and down (`model.residual_norm`; Pallas)
+  embed          the embedding lookup (`model.embed_lookup`)
+
+and, on a mesh, runs each per shard under `jax.shard_map` (a pallas_call cannot take sharded
+operands; the vocab-split lookup needs one psum). `KernelTuning` holds every tuning default of the
+Pallas kernels: drivers pass a modified copy, nothing patches module globals.
+The implementations are resolved on first use (model.py and sharding.py import this module).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+ATTENTIONS = ("xla", "pallas")
+TREE_LAUNCH_NAMES = ("block_t", "block_k", "num_splits", "num_warps", "num_stages")
+DEFAULT_SM_COUNT = 132  # H100 / H200, for devices that do not report their core count
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelTuning:
+  """Tuning defaults of the Pallas kernels (measured on an H200: WORKSPACE.md, Findings)."""
+  # SMs the attention's split-K rule fills; None: the device's count (DEFAULT_SM_COUNT if unknown)
+  sm_count: int | None = None
+  # tree_attention launch parameters (TREE_LAUNCH_NAMES) that replace the rule's for trees,
+  # i.e. more than 64 query rows (tokens x GQA group) per kv head; () keeps the rule
+  tree_launch: tuple[tuple[str, int], ...] = ()
+  # a fused q/k/v projection runs as this many explicit split-K slices, summed by the q/k
+  # kernel, at token rows (batch x nodes) in this inclusive range; XLA's GEMM elsewhere
+  qkv_splits: int = 2
+  qkv_rows: tuple[int, int] = (32, 128)
+  # the residual add + RMSNorm kernel after o and down: token rows it runs at (inclusive;
+  # an empty range turns it off), its split-K slices as (least contracted dim, slices), first
+  # match, halved until they divide the dim and are at least residual_min_depth deep; warps
+  residual_rows: tuple[int, int] = (64, 128)
+  residual_splits: tuple[tuple[int, int], ...] = ((8192, 8), (0, 4))
+  residual_min_depth: int = 512
+  residual_warps: int = 8
+  # Pallas interpret mode; None: on a CPU backend (False lowers to Triton there, for an
+  # abstract GPU: experiments/perf/compile_offline.py)
+  interpret: bool | None = None
+
+  def __post_init__(self):
+    bad = [k for k, _ in self.tree_launch if k not in TREE_LAUNCH_NAMES]
+    if bad:
+      raise ValueError(f"KernelTuning.tree_launch: unknown names {bad}; valid: "
+                       f"{TREE_LAUNCH_NAMES}")
+    if self.sm_count is not None and self.sm_count < 1:
+      raise ValueError(f"KernelTuning.sm_count must be >= 1 or None, got {self.sm_count}")
+    if self.qkv_splits < 0 or self.residual_warps < 1 or self.residual_min_depth < 1:
+      raise ValueError(f"KernelTuning: qkv_splits >= 0, residual_warps >= 1 and "
+                       f"residual_min_depth >= 1 needed, got {self}")
+
+  def device_sm_count(self) -> int:
+    """The SM count the attention's split rule fills."""
+    if self.sm_count:
+      return self.sm_count
+    try:
+      return getattr(jax.devices()[0], "core_count", None) or DEFAULT_SM_COUNT
+    except RuntimeError:  # no backend
+      return DEFAULT_SM_COUNT
+
+  def qkv_split_count(self, rows: int) -> int:
+    """Split-K slices of a fused q/k/v projection over `rows` token rows (0: XLA's GEMM)."""
+    lo, hi = self.qkv_rows
+    return self.qkv_splits if lo <= rows <= hi else 0
+
+  def residual_split_count(self, rows: int, contracted: int) -> int:
+    """Split-K slices of a [rows, contracted] o / down projection for the residual kernel (0:
+    XLA's form)."""
+    lo, hi = self.residual_rows
+    if not lo <= rows <= hi:
+      return 0
+    s = next((s for least, s in self.residual_splits if contracted >= least), 0)
+    while s > 1 and (contracted % s or contracted // s < self.residual_min_depth):
+      s //= 2
+    return s if s > 1 else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+  """The implementations of attention, q/k/v projection + norm + RoPE, residual + norm and the
+  embedding lookup for one (attention, mesh, rules, tuning)."""
+  attention: str = "xla"          # "pallas": the Pallas tree attention, q/k and residual kernels
+  mesh: Any = None                # jax.sharding.Mesh: every kernel per shard
+  rules: Any = None               # sharding.ShardingRules (None: the defaults)
+  tuning: KernelTuning = KernelTuning()
+
+  def __post_init__(self):
+    if self.attention not in ATTENTIONS:
+      raise ValueError(f"unknown attention {self.attention!r}; choose one of {ATTENTIONS}")
+
+  @functools.cached_property
+  def attend(self) -> Callable:
+    """q, k_cache, v_cache, prefix_len, k_new, v_new, new_mask, *, scale, layer -> [B, T, N, D]."""
+    from ddtree_jax import attention  # pylint: disable=import-outside-toplevel
+    fn = attention.attend_xla
+    if self.attention == "pallas":
+      from ddtree_jax.pallas.tree_attention import tree_attention  # pylint: disable=import-outside-toplevel
+      fn = functools.partial(tree_attention, tuning=self.tuning)
+    return fn if self.mesh is None else shard_attention(fn, self.mesh, self._rules)
+
+  @functools.cached_property
+  def project_qkv(self) -> Callable:
+    """layer, h [B, T, H], cos, sin, *, eps -> q [B, T, N, D], k, v [B, T, K, D] (q, k normed
+    and RoPE'd). Pallas on a mesh: XLA's projections, then the q/k kernel per shard."""
+    from ddtree_jax import model  # pylint: disable=import-outside-toplevel
+    if self.attention != "pallas":
+      return model.project_norm_rope
+    from ddtree_jax.pallas.qk_norm_rope import project_qk_norm_rope, qk_norm_rope  # pylint: disable=import-outside-toplevel
+    if self.mesh is None:
+      return functools.partial(project_qk_norm_rope, tuning=self.tuning)
+    return shard_qk_norm_rope(functools.partial(qk_norm_rope, interpret=self.tuning.interpret),
+                              self.mesh, self._rules)
+
+  @functools.cached_property
+  def residual_norm(self) -> Callable:
+    """x, spec, a, w, norm, *, eps -> (x + dense(spec, a, w), its RMSNorm). The Pallas kernel on
+    one device only: on a mesh o and down are split over their contracted dim."""
+    from ddtree_jax import model  # pylint: disable=import-outside-toplevel
+    if self.attention != "pallas" or self.mesh is not None:
+      return model.residual_norm
+    from ddtree_jax.pallas.add_rms_norm import residual_norm  # pylint: disable=import-outside-toplevel
+    return functools.partial(residual_norm, tuning=self.tuning)
+
+  @functools.cached_property
+  def embed(self) -> Callable:
+    """table [V, H], tokens [...] -> [..., H]."""
+    from ddtree_jax import model  # pylint: disable=import-outside-toplevel
+    return model.embed_lookup if self.mesh is None else shard_embed_lookup(self.mesh,
+                                                                           self._rules)
+
+  @functools.cached_property
+  def outside_verify(self) -> Kernels:
+    """The kernels of the prefill and the drafter: these, with XLA's residual add + RMSNorm
+    (the residual kernel's rule was fitted to the verify)."""
+    return dataclasses.replace(self, tuning=dataclasses.replace(self.tuning,
+                                                                residual_rows=(1, 0)))
+
+  @property
+  def _rules(self):
+    return _rules_or_default(self.rules)
+
+
+REFERENCE = Kernels()  # plain XLA on one device: the reference every kernel is tested against
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels per shard
+
+
+def _rules_or_default(rules):
+  from ddtree_jax import sharding  # pylint: disable=import-outside-toplevel
+  return rules or sharding.DEFAULT_RULES
+
+
+def _head_axes(mesh, rules, b: int, hq: int, hkv: int):
+  """The mesh axes (or None) that split the batch, the query heads and the kv heads of per-shard
+  kernels: each rule's axis where it divides, kv heads only when split with the query heads."""
+  size = lambda name: mesh.shape[name] if name in mesh.shape else 1
+  bt = rules.batch if rules.batch in mesh.shape and b % size(rules.batch) == 0 else None
+  hd = rules.heads if rules.heads in mesh.shape and hq % size(rules.heads) == 0 else None
+  kv = hd if hd is not None and rules.kv_heads == hd and hkv % size(hd) == 0 else None
+  return bt, hd, kv
+
+
+def shard_attention(attn_fn: Callable, mesh, rules=None) -> Callable:
+  """An attention with the `attention.attend_xla` contract, run per shard in shard_map.
+
+  Batch over dp (when it divides), query heads q [B, T, N, D] on N and caches [B, K, S, D] (or
+  [L, B, K, S, D] with `layer`) / new rows [B, T, K, D] on K over tp; prefix_len [B] and new_mask
+  [B, T, T] on B only. Attention is independent per (sequence, kv head): no communication. With
+  replicated kv heads (rules.kv_heads None) each device slices out the kv heads of its own query
+  heads; where no clean split exists every head is computed on every device (correct, slower).
+  """
+  rules = _rules_or_default(rules)
+
+  def wrapped(q, k_cache, v_cache, prefix_len, k_new, v_new, new_mask, *, scale, **kw):
+    b, hq, hkv = q.shape[0], q.shape[2], k_cache.shape[-3]
+    lead = (None,) * (k_cache.ndim - 4)  # the layer axis of stacked caches
+    size = lambda name: mesh.shape[name] if name in mesh.shape else 1
+    bt, hd, kv = _head_axes(mesh, rules, b, hq, hkv)
+    g = hq // hkv
+    n_loc = hq // size(hd) if hd else hq
+    if hd is not None and kv is None and n_loc % g and g % n_loc:
+      hd = None  # a query-head shard would straddle kv groups: every head on every device
+      n_loc = hq
+    kv_loc = max(1, n_loc // g)
+
+    def local(q, kc, vc, plen, kn, vn, mask):
+      if hd is not None and kv is None:  # replicated kv heads: keep those of the local q heads
+        start = jax.lax.axis_index(hd) * n_loc // g
+        take = lambda x, axis: jax.lax.dynamic_slice_in_dim(x, start, kv_loc, axis)
+        kc, vc, kn, vn = take(kc, kc.ndim - 3), take(vc, vc.ndim - 3), take(kn, 2), take(vn, 2)
+      return attn_fn(q, kc, vc, plen, kn, vn, mask, scale=scale, **kw)
+
+    q_spec, c_spec = P(bt, None, hd, None), P(*lead, bt, kv, None, None)
+    n_spec = P(bt, None, kv, None)
+    return jax.shard_map(local, mesh=mesh, out_specs=q_spec, check_vma=False,
+                         in_specs=(q_spec, c_spec, c_spec, P(bt), n_spec, n_spec,
+                                   P(bt, None, None)))(
+        q, k_cache, v_cache, prefix_len, k_new, v_new, new_mask)
+
+  return wrapped
+
+
+def shard_qk_norm_rope(qk_fn: Callable, mesh, rules=None) -> Callable:
+  """`project_qkv` on a mesh: the projections as GSPMD partitions them, then `qk_fn` (a q/k norm +
+  RoPE with the `model.norm_rope` contract) per shard: q [B, T, N, D] split on N, kv
+  [B, T, 2, K, D] on K (when kv heads split with the q heads, else whole on every device), and
+  everything with cos/sin [B, T, D] on B over dp when it divides. No communication."""
+  from ddtree_jax import model  # pylint: disable=import-outside-toplevel
+  rules = _rules_or_default(rules)
+
+  def wrapped(layer, h, cos, sin, *, eps):
+    if layer.wqkv is not None:
+      raise ValueError("fused q/k/v weights (model.fuse_qkv) are for one device only: on a "
+                       "mesh use unfused params (checkpoint.load_target(..., fuse_qkv=False))")
+    q = model.dense("bth,hnd->btnd", h, layer.wq)
+    kv = model.dense("bth,hskd->btskd", h, layer.wkv)
+    q_norm, k_norm = layer.q_norm, layer.k_norm
+    bt, hd, kv_ax = _head_axes(mesh, rules, q.shape[0], q.shape[2], kv.shape[3])
+    local = lambda *a: qk_fn(*a, eps=eps)
+    norm = lambda w: None if w is None else P()
+    q_spec, k_spec, rows = P(bt, None, hd, None), P(bt, None, kv_ax, None), P(bt, None, None)
+    return jax.shard_map(local, mesh=mesh, out_specs=(q_spec, k_spec, k_spec), check_vma=False,
+                         in_specs=(q_spec, P(bt, None, None, kv_ax, None), norm(q_norm),
+                                   norm(k_norm), rows, rows))(
+        q, kv, q_norm, k_norm, cos, sin)
+
+  return wrapped
+
+
+def shard_embed_lookup(mesh, rules=None) -> Callable:
+  """`model.embed_lookup` for a vocab-split table [V, H], per shard: each device looks up the ids
+  in its slice of V (zero rows elsewhere) and a psum adds the slices, one all-reduce of [..., H]
+  (left to GSPMD, the whole table was all-gathered every step: WORKSPACE.md, Findings: Tensor
+  parallelism). Token ids [B, ...] keep their batch split over dp when it divides."""
+  rules = _rules_or_default(rules)
+
+  def lookup(table, tokens):
+    size = lambda name: mesh.shape[name] if name in mesh.shape else 1
+    voc = rules.vocab if rules.vocab in mesh.shape and table.shape[0] % size(rules.vocab) == 0 \
+        else None
+    if voc is None:
+      return table[tokens]
+    bt = rules.batch if (rules.batch in mesh.shape and rules.batch != voc
+                         and tokens.shape[0] % size(rules.batch) == 0) else None
+    rest = (None,) * (tokens.ndim - 1)
+
+    def local(tab, tok):
+      n = tab.shape[0]
+      idx = tok - jax.lax.axis_index(voc) * n
+      mine = (idx >= 0) & (idx < n)
+      rows = jnp.where(mine[..., None], tab[jnp.clip(idx, 0, n - 1)], jnp.zeros((), tab.dtype))
+      return jax.lax.psum(rows, voc)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(voc, None), P(bt, *rest)),
+                         out_specs=P(bt, *rest, None), check_vma=False)(table, tokens)
+
+  return lookup

@@ -1,0 +1,321 @@
+"""Shared plumbing of the performance scripts: the Qwen3-8B-shaped random target and its 5-layer
+DFlash drafter, random decode states, compiling and timing decode loops, and timing one jitted
+step n times on device.
+
+Every setting is an argument (mesh, cache rows, kernels); nothing here is global. A `Case` is one
+decode program: models, loop config, batch, prefix and cache capacity.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import statistics
+import time
+import types
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ddtree_jax import decode, model, profiling, sharding
+from ddtree_jax.config import ModelConfig
+from ddtree_jax.drafter import DrafterConfig, DrafterParams, quantize_int8, restrict_vocab
+from ddtree_jax.kernels import KernelTuning
+
+
+def ints(text: str) -> list[int]:
+  """'1,8,64' -> [1, 8, 64] (a comma-list flag)."""
+  return [int(x) for x in str(text).split(",") if x]
+
+
+def tuning_overrides(tree_attention: str = "", qkv_splits: int = -1,
+                     residual: str = "") -> KernelTuning:
+  """A KernelTuning from profile_step's A/B flags, for 16+ token rows (the verify and the drafter
+  block, not AR): tree_attention "num_splits=4,block_k=128" (the tree launch parameters);
+  qkv_splits >= 0 (the fused q/k/v projection's slices; 0: XLA's GEMM); residual
+  "4096=2,12288=4,num_warps=8" (split-K per contracted dim, a dim taking the entry of the
+  largest listed dim <= it, 0 = XLA's form; and the kernel's warps). Raises ValueError."""
+  pairs = lambda text: [kv.split("=") for kv in text.split(",") if kv]
+  kw = {}
+  try:
+    if tree_attention:
+      kw["tree_launch"] = tuple((k, int(v)) for k, v in pairs(tree_attention))
+    if qkv_splits >= 0:
+      kw.update(qkv_splits=qkv_splits, qkv_rows=(16, 1 << 30))
+    if residual:
+      override = {k: int(v) for k, v in pairs(residual)}
+      if "num_warps" in override:
+        kw["residual_warps"] = override.pop("num_warps")
+      if override:
+        kw.update(residual_rows=(16, 1 << 30), residual_min_depth=1,
+                  residual_splits=tuple(sorted(((int(c), s) for c, s in override.items()),
+                                               reverse=True)))
+  except ValueError:
+    raise ValueError(f"tuning overrides take name=int pairs: {tree_attention!r}, "
+                     f"{residual!r}") from None
+  return KernelTuning(**kw)
+
+
+# --------------------------------------------------------------------------------------------
+# Models
+
+
+def target_config(small: bool = False) -> ModelConfig:
+  """Qwen3-8B's shape (36 layers, hidden 4096, 32 / 8 heads, MLP 12288, vocab 151936), or a tiny
+  4-layer one for CPU smoke runs."""
+  if small:
+    return ModelConfig(model_type="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128,
+                       num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32,
+                       rope_theta=1e6, max_position_embeddings=40960)
+  return ModelConfig(model_type="qwen3", vocab_size=151936, hidden_size=4096,
+                     intermediate_size=12288, num_layers=36, num_heads=32, num_kv_heads=8,
+                     head_dim=128, rope_theta=1e6, max_position_embeddings=40960)
+
+
+def random_target(cfg: ModelConfig, key, mesh=None, fuse_qkv: bool = True) -> model.Params:
+  """Random bf16 target weights placed on `mesh`, or on one device fused (`model.fuse_qkv`) as
+  `checkpoint.load_target` does unless fuse_qkv=False."""
+  params = sharding.shard_params(model.init_params(cfg, key), mesh)
+  return model.fuse_qkv(params) if mesh is None and fuse_qkv else params
+
+
+def drafter_config(tcfg: ModelConfig, small: bool = False) -> DrafterConfig:
+  """A 5-layer (2 when small) DFlash drafter of the target's width, block 16."""
+  lcfg = dataclasses.replace(tcfg, num_layers=2 if small else 5)
+  ids = (1, 2) if small else (1, 9, 17, 25, 33)
+  return DrafterConfig(layers=lcfg, block_size=16, mask_token_id=tcfg.vocab_size - 3,
+                       target_layer_ids=ids)
+
+
+def random_drafter(tcfg: ModelConfig, key, small: bool = False):
+  """(random bf16 DrafterParams, DrafterConfig) for a target of config tcfg."""
+  cfg = drafter_config(tcfg, small)
+  p = model.init_params(cfg.layers, key)
+  k1, _ = jax.random.split(key)
+  h = tcfg.hidden_size
+  params = DrafterParams(
+      fc=(0.02 * jax.random.normal(k1, (len(cfg.target_layer_ids) * h, h))).astype(jnp.bfloat16),
+      hidden_norm=jnp.ones((h,), jnp.bfloat16), layers=p.layers,
+      final_norm=jnp.ones((h,), jnp.bfloat16))
+  return params, cfg
+
+
+def drafter_variants(dparams, tparams, names, mesh=None) -> dict[str, Any]:
+  """{name: drafter params} for names "bf16" / "int8" (`drafter.quantize_int8`), each optionally
+  with ":vN" (drafting over ids 0..N-1, `drafter.restrict_vocab`), e.g. "int8:v32768"."""
+  out = {"bf16": sharding.shard_params(dparams, mesh)}
+  if any(n.partition(":")[0] == "int8" for n in names):
+    out["int8"] = sharding.shard_params(jax.jit(quantize_int8)(out["bf16"], tparams), mesh)
+  for name in names:
+    base, _, size = name.partition(":v")
+    if base not in out or (name != base and not (size.isdigit() and int(size) > 0)):
+      raise ValueError(f"drafter {name!r}: valid are bf16 or int8, optionally with :vN "
+                       "(N > 0 ids), e.g. int8:v32768")
+    if name != base:
+      out[name] = sharding.shard_params(restrict_vocab(out[base], tparams,
+                                                       np.arange(int(size))), mesh)
+  return {name: out[name] for name in names}
+
+
+def random_cache(key, cfg: ModelConfig, batch: int, capacity: int, prefix: int) -> model.KVCache:
+  """A bf16 KV cache of random rows with `prefix` of them valid per sequence."""
+  shape = (cfg.num_layers, batch, cfg.num_kv_heads, capacity, cfg.head_dim)
+  kk, kv = jax.random.split(key)
+  return model.KVCache(k=jax.random.normal(kk, shape, jnp.bfloat16),
+                       v=jax.random.normal(kv, shape, jnp.bfloat16),
+                       lens=jnp.full((batch,), prefix, jnp.int32))
+
+
+# --------------------------------------------------------------------------------------------
+# One decode program
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Case:
+  """A decode loop to compile and time. dparams / dcfg are None for AR."""
+  tparams: Any
+  tcfg: ModelConfig
+  dparams: Any
+  dcfg: DrafterConfig | None
+  lc: decode.LoopConfig
+  batch: int
+  prefix: int
+  capacity: int
+
+  @classmethod
+  def make(cls, tparams, tcfg, dparams, dcfg, lc, batch, prefix, min_new_tokens: int = 0):
+    """Cache rows for the prefix plus max(lc.max_new_tokens, min_new_tokens) and 16 spare."""
+    capacity = prefix + max(lc.max_new_tokens, min_new_tokens) + 16
+    return cls(tparams, tcfg, dparams, dcfg, lc, batch, prefix, capacity)
+
+  def with_steps(self, steps: int) -> Case:
+    """The same program run for `steps` decode steps (the capacity must hold them)."""
+    if self.prefix + steps + 1 > self.capacity:
+      raise ValueError(f"{steps} steps need {self.prefix + steps + 1} cache rows, the case has "
+                       f"{self.capacity}: make it with min_new_tokens >= {steps + 1}")
+    return dataclasses.replace(self, lc=dataclasses.replace(self.lc, max_new_tokens=steps + 1))
+
+  def state(self, key=None) -> decode.DecodeState:
+    """A random DecodeState: caches of random rows, bonus 11, nothing emitted yet."""
+    k1, k2 = jax.random.split(jax.random.key(1) if key is None else key)
+    b, m = self.batch, self.lc.max_new_tokens
+    state = decode.DecodeState(
+        cache=random_cache(k1, self.tcfg, b, self.capacity, self.prefix),
+        draft_cache=None if self.dcfg is None else random_cache(k2, self.dcfg.layers, b,
+                                                                 self.capacity, self.prefix),
+        bonus=jnp.full((b,), 11, jnp.int32), out=jnp.zeros((b, m), jnp.int32),
+        n_out=jnp.ones((b,), jnp.int32), done=jnp.zeros((b,), bool),
+        accepted=jnp.zeros((m, b), jnp.int32), step=jnp.zeros((), jnp.int32),
+        key=jax.random.key(0))
+    return sharding.shard_params(state, self.lc.mesh, self.lc.rules)
+
+  def state_shape(self):
+    """The abstract DecodeState (with the mesh's shardings, which eval_shape drops)."""
+    shape = jax.eval_shape(self.state)
+    if self.lc.mesh is not None:
+      shape = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                           shape, sharding.shardings(shape, self.lc.mesh, self.lc.rules))
+    return shape
+
+  def compile(self, stages: bool = False):
+    """(the AOT-compiled decode loop, its stage programs or None, seconds)."""
+    t0 = time.perf_counter()
+    shape = self.state_shape()
+    loop = decode.decode_loop.lower(self.tparams, self.dparams, shape, tcfg=self.tcfg,
+                                    dcfg=self.dcfg, lc=self.lc).compile()
+    progs = None
+    if stages:
+      progs = profiling.compile_stages(self.tparams, self.tcfg, self.dparams, self.dcfg, self.lc,
+                                       shape)
+    return loop, progs, time.perf_counter() - t0
+
+
+def compile_cases(cases, threads: int = 1, stages=None):
+  """Every case's `compile` (stages[i]: also its stage programs), `threads` at a time (XLA
+  compiles outside the GIL); returns when all are compiled, so no timing overlaps a compile."""
+  stages = stages or [False] * len(cases)
+  t0 = time.perf_counter()
+  with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as ex:
+    out = list(ex.map(lambda cs: cs[0].compile(cs[1]), zip(cases, stages)))
+  print(f"compiled {len(cases)} programs in {time.perf_counter() - t0:.1f} s "
+        f"({threads} threads)", flush=True)
+  return out
+
+
+def time_calls(loop, case: Case, repeats: int):
+  """Wall seconds of each of `repeats` calls of a compiled loop (after one warm-up call), each on
+  a fresh random state, and the steps a call ran (the same every call)."""
+  times, steps = [], 0
+  for _ in range(repeats + 1):
+    st = jax.block_until_ready(case.state())
+    t = time.perf_counter()
+    out = jax.block_until_ready(loop(case.tparams, case.dparams, st))
+    times.append(time.perf_counter() - t)
+    steps = int(out.step)
+  return times[1:], steps
+
+
+def step_seconds(loop, case: Case, repeats: int) -> float:
+  """A call's median wall time over the steps it ran (the per-call cost included)."""
+  times, steps = time_calls(loop, case, repeats)
+  return float(np.median(times)) / steps
+
+
+def round_seconds(short, short_case: Case, long, long_case: Case, repeats: int):
+  """(seconds per round, seconds per call): the slope and intercept of a call's wall time over
+  its steps, the short and long loops timed alternately (medians of `repeats` each)."""
+  ts, tl, n_short, n_long = [], [], 0, 0
+  for _ in range(repeats):
+    t, n_short = time_calls(short, short_case, 1)
+    ts += t
+    t, n_long = time_calls(long, long_case, 1)
+    tl += t
+  if n_long <= n_short:
+    raise ValueError(f"the long loop ran {n_long} steps, the short one {n_short}: raise "
+                     "--marginal_steps")
+  t_short, t_long = float(np.median(ts)), float(np.median(tl))
+  per_round = (t_long - t_short) / (n_long - n_short)
+  return per_round, t_short - n_short * per_round
+
+
+def copy_bandwidth(small: bool = False) -> float:
+  """Bytes per second (read + written) of a jitted x + 1 over a 4 GiB bf16 array (4 MiB when
+  small), the median of 10 calls: the floor's bandwidth."""
+  n = (1 << 20) if small else (1 << 31)
+  x = jnp.ones((n,), jnp.bfloat16)
+  s = profiling.median_seconds(jax.jit(lambda a: a + 1), x, repeats=10)
+  return 2 * n * 2 / s
+
+
+# --------------------------------------------------------------------------------------------
+# One kernel or layer: random inputs, n calls on device
+
+
+def random_tree_mask(rng, b, t):
+  """[b, t, t] ancestor-or-self visibility of random trees (node i's parent is < i)."""
+  masks = np.zeros((b, t, t), bool)
+  for bi in range(b):
+    parents = [-1] + [int(rng.integers(0, i)) for i in range(1, t)]
+    for i in range(t):
+      masks[bi, i] = masks[bi, parents[i]] if i else False
+      masks[bi, i, i] = True
+  return masks
+
+
+def attention_inputs(rng, b, prefix, t, hq, hkv, d, slack):
+  """Random bf16 inputs of the attention contract: q [b, t, hq, d], caches [b, hkv, prefix + slack,
+  d] with `prefix` rows valid, new k/v [b, t, hkv, d], a random tree mask [b, t, t]."""
+  s = prefix + slack
+  key = jax.random.PRNGKey(int(rng.integers(2**31)))
+  ks = jax.random.split(key, 5)
+  dt = jnp.bfloat16
+  q = jax.random.normal(ks[0], (b, t, hq, d), dt)
+  k_cache = jax.random.normal(ks[1], (b, hkv, s, d), dt)
+  v_cache = jax.random.normal(ks[2], (b, hkv, s, d), dt)
+  k_new = jax.random.normal(ks[3], (b, t, hkv, d), dt)
+  v_new = jax.random.normal(ks[4], (b, t, hkv, d), dt)
+  prefix_len = jnp.full((b,), prefix, jnp.int32)
+  mask = jnp.asarray(random_tree_mask(rng, b, t))
+  return q, k_cache, v_cache, prefix_len, k_new, v_new, mask
+
+
+def fori_seconds(step, carry0, consts, round_ms: float, rounds: int, n: int | None = None):
+  """(median seconds of one `carry = step(carry, *consts)`, output of one step).
+
+  The step runs n times inside one jitted fori_loop (n static: no host check per iteration; the
+  carry chains the calls so none is hoisted). n=None sizes it to ~round_ms from a timed single
+  step (one more compile, which also gives the output); a given n skips that (output None)."""
+  out = None
+  if n is None:
+    single = jax.jit(step)
+    out = jax.block_until_ready(single(carry0, *consts))  # compile + warm
+    est = []
+    for _ in range(3):
+      t0 = time.perf_counter()
+      jax.block_until_ready(single(carry0, *consts))
+      est.append(time.perf_counter() - t0)
+    n = int(min(max(round_ms * 1e-3 / min(est), 3), 2000))
+
+  @jax.jit
+  def run(carry, *consts):
+    return lax.fori_loop(0, n, lambda i, c: step(c, *consts), carry)
+
+  jax.block_until_ready(run(carry0, *consts))  # compile + warm
+  times = []
+  for _ in range(rounds):
+    t0 = time.perf_counter()
+    jax.block_until_ready(run(carry0, *consts))
+    times.append((time.perf_counter() - t0) / n)
+  return statistics.median(times), out
+
+
+def settings(flag_values, smoke: dict):
+  """A script's flags as attributes (types.SimpleNamespace); with --smoke, the values in `smoke`
+  replace theirs (tiny shapes for a CPU run)."""
+  values = flag_values.flag_values_dict()
+  if values.get("smoke"):
+    values.update(smoke)
+  return types.SimpleNamespace(**values)

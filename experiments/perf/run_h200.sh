@@ -1,0 +1,147 @@
+#!/usr/bin/env bash
+# The H200 measurements of WORKSPACE.md, one part per run (each fits in 10 minutes). Run from the
+# repository root.
+#
+#   experiments/perf/run_h200.sh compile OUT  # serial compile seconds of every program (loop + stages)
+#   experiments/perf/run_h200.sh step OUT     # batch 1: AR vs floor, chain / DDTree by budget, stages, host
+#   experiments/perf/run_h200.sh step8 OUT    # the same at batch 8
+#   experiments/perf/run_h200.sh spec OUT     # batch 1 and 8: AR + chain / DDTree 1..256 (+ B=32 stages)
+#   experiments/perf/run_h200.sh profile OUT  # GPU kernels per step (profile_step.py); profile_tp: tp=2
+#   experiments/perf/run_h200.sh kernel OUT   # the attention kernel grid (batch 1, then 8)
+#   experiments/perf/run_h200.sh sweep OUT    # attention launch parameters vs the default rule
+#   experiments/perf/run_h200.sh gemm OUT     # a layer's GEMMs vs rows M, as model.py writes them
+#   experiments/perf/run_h200.sh quick OUT    # batch 1 and 8: AR, chain, DDTree 32/64/128 (~150 s)
+#   experiments/perf/run_h200.sh goals OUT    # AR, DDTree B=32/64 step and round at batch 1 (~210 s)
+#   experiments/perf/run_h200.sh results OUT  # README's table: AR, chain, B=16..128 rounds; the demo
+#   experiments/perf/run_h200.sh int8 OUT     # bf16 vs int8 (W8A8) drafter, batch 1; GEMMs by format
+#   experiments/perf/run_h200.sh tp OUT       # tp=1 vs tp=2 (needs 2 GPUs); bf16 divergences at tp=2
+#   BATCHES=16 experiments/perf/run_h200.sh matrix OUT  # bench_matrix: bundled pair (float32)
+#   experiments/perf/run_h200.sh temperature OUT        # bundled pair, T=0 vs T=1, DDTree B=32
+#   experiments/perf/run_h200.sh m8b OUT      # bench_matrix: Qwen3-8B shape (~360 s)
+#
+# bench_matrix compiles each batch's programs 8 at a time (configs/bench_matrix.py
+# compile_threads); bench_step compiles serially. experiments/perf/compile_offline.py checks compile
+# times without a GPU (see WORKSPACE.md for the DDTree compile trap it found).
+# Every part runs under `timeout` and writes rows as it goes, so a cut run keeps what it had.
+# NCCL's NVLink multicast stays off (NCCL_NVLS_ENABLE=0), as the machine requires.
+set -u
+what=$1
+out=${2:-out/h200}
+mkdir -p "$out"
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+py=${PYTHON:-python3}
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv >"$out/gpus.txt" 2>&1
+step="$py -m experiments.perf.bench_step --steps=16 --repeats=3"
+
+case $what in
+  compile)
+    timeout 560 $step --sections=compile --attention=pallas --batches=1 --spec_prefixes=1024 \
+      --budgets=chain,4,32,256 --json_out="$out/compile.jsonl" >"$out/compile.log" 2>&1
+    ;;
+  step)   # batch 1: 4 AR + 12 spec loops + 12 stage programs, ~330 s with serial compile
+    timeout 560 $step --sections=copy,ar,spec,host --batches=1 --prefixes=1024,8192 \
+      --attention=pallas,xla --spec_prefixes=1024,8192 --budgets=chain,1,4,16,32,64,128,256 \
+      --alt_runs=chain,32 --stage_runs=chain,32,256 --json_out="$out/step_b1.jsonl" \
+      >"$out/step_b1.log" 2>&1
+    ;;
+  step8)  # batch 8: ~300 s
+    timeout 560 $step --sections=copy,ar,spec --batches=8 --prefixes=1024,8192 \
+      --attention=pallas,xla --spec_prefixes=1024 --budgets=chain,1,4,16,32,64,128,256 \
+      --alt_runs=chain,32 --stage_runs=chain,32,256 --json_out="$out/step_b8.jsonl" \
+      >"$out/step_b8.log" 2>&1
+    ;;
+  spec)  # ~330 s: compiled 4 at a time (the step timings are unaffected)
+    timeout 400 $step --sections=copy,ar,spec --batches=1,8 --prefixes=1024 --spec_prefixes=1024 \
+      --attention=pallas --budgets=chain,1,4,16,32,64,128,256 --stage_runs=32 --compile_threads=8 \
+      --json_out="$out/step.jsonl" >"$out/step.log" 2>&1
+    ;;
+  profile)  # kernels per step (CUDA graphs off so that every kernel is traced): ~150 s
+    timeout 200 $py -m experiments.perf.profile_step --runs=ar,chain,32,64 --batch=1 \
+      --attention=pallas --steps=16 --top=40 >"$out/profile.log" 2>&1
+    timeout 120 $py -m experiments.perf.profile_step --runs=32 --batch=8 --attention=pallas \
+      --steps=16 --top=40 >>"$out/profile.log" 2>&1
+    ;;
+  profile_tp)  # needs 2 GPUs: the same at tp=2 (the batch-1 AR step is slower than at tp=1)
+    timeout 400 $py -m experiments.perf.profile_step --runs=ar,32 --batch=1 --mesh_tp=2 \
+      --attention=pallas --steps=16 >"$out/profile_tp.log" 2>&1
+    ;;
+  sweep)  # ~110 s for the trees, then the decode / drafter-block cells (T = 1, 16)
+    timeout 300 $py -m experiments.perf.sweep_attention --json_out="$out/sweep.jsonl" \
+      >"$out/sweep.log" 2>&1
+    timeout 200 $py -m experiments.perf.sweep_attention --tokens=1,16 --block_rows=16,64 \
+      --splits=1,2,4,8,16,32,64 --json_out="$out/sweep.jsonl" >>"$out/sweep.log" 2>&1
+    ;;
+  gemm)  # ~60 s: model.py's einsums vs bare 2-D matmuls vs the old stacked-first layout
+    timeout 150 $py -m experiments.perf.bench_gemm --rows=1,17,33,65,129 --json_out="$out/gemm.jsonl" \
+      >"$out/gemm.log" 2>&1
+    ;;
+  goals)  # ~210 s: batch 1, int8 drafter over 32768 ids; rounds from 16 vs 64 steps
+    timeout 400 $step --repeats=5 --marginal_steps=64 --sections=ar,spec --batches=1 \
+      --prefixes=1024 --spec_prefixes=1024 --attention=pallas --nostages --compile_threads=1 \
+      --budgets=32,64 --drafters=int8:v32768 --json_out="$out/goals.jsonl" >"$out/goals.log" 2>&1
+    ;;
+  results)  # ~450 s: README's Results: goals' settings over chain and B=16..128, then `make demo`
+    timeout 470 $step --repeats=5 --marginal_steps=64 --sections=copy,ar,spec --batches=1 \
+      --prefixes=1024 --spec_prefixes=1024 --attention=pallas --nostages --compile_threads=4 \
+      --budgets=chain,16,32,64,128 --drafters=int8:v32768 --json_out="$out/results.jsonl" \
+      >"$out/results.log" 2>&1
+    timeout 110 $py -m experiments.generate --config=configs/default.py >"$out/demo.log" 2>&1
+    ;;
+  int8)  # ~200 s: both drafters compiled and timed in one run, then XLA's GEMM per weight format
+    timeout 280 $step --repeats=5 --sections=ar,spec --batches=1 --prefixes=1024 \
+      --spec_prefixes=1024 --attention=pallas --nostages --compile_threads=8 \
+      --budgets=chain,32,64 --drafters=bf16,int8 --json_out="$out/int8_step.jsonl" \
+      >"$out/int8_step.log" 2>&1
+    timeout 200 $py -m experiments.perf.bench_gemm --formats=bf16,w8,w8a8,w8a8t,fp8 --rows=16,33 \
+      --vocab=151936 >"$out/gemm_formats.log" 2>&1
+    ;;
+  quick)
+    timeout 250 $step --repeats=5 --sections=ar,spec --batches=1,8 --prefixes=1024 \
+      --spec_prefixes=1024 --attention=pallas --nostages --compile_threads=8 \
+      --budgets=chain,32,64,128 --json_out="$out/step.jsonl" >"$out/step.log" 2>&1
+    ;;
+  kernel)
+    timeout 280 $py -m experiments.perf.bench_attention --batches=1 >"$out/attention.log" 2>&1
+    timeout 280 $py -m experiments.perf.bench_attention --batches=8 >>"$out/attention.log" 2>&1
+    ;;
+  tp)
+    for tp in 1 2; do
+      timeout 230 $step --mesh_tp=$tp --sections=copy,ar,spec --batches=1,8 --prefixes=1024 \
+        --attention=pallas --spec_prefixes=1024 --budgets=32 --nostages \
+        --json_out="$out/tp.jsonl" >>"$out/tp.log" 2>&1
+    done
+    timeout 150 $py -m experiments.bench_matrix --config=configs/bench_matrix.py --mesh_tp=2 \
+      --config.methods=ar,ddtree --config.budgets=32 --config.batches=8 \
+      --config.max_new_tokens=64 --config.repeats=1 --config.profile= --config.progress=False \
+      --config.out_dir="$out/tp2_divergence" >"$out/matrix.log" 2>&1
+    tar -C "$out" -czf "$out/matrix.tgz" tp2_divergence 2>/dev/null && rm -r "$out/tp2_divergence"
+    ;;
+  matrix)
+    # the bundled pair in float32 at full matmul precision: any divergence from AR is a bug.
+    # Compile-bound: ~200 s per batch (25-73 s per program, 8 threads) on the H200 host
+    JAX_DEFAULT_MATMUL_PRECISION=highest timeout 560 $py -m experiments.bench_matrix \
+      --config=configs/bench_matrix.py:default --config.batches="${BATCHES:-1,4,16}" \
+      --config.profile= --config.progress=False --config.out_dir="$out/mdef" >"$out/matrix.log" 2>&1
+    tar -C "$out" -czf "$out/matrix.tgz" mdef 2>/dev/null && rm -r "$out/mdef"
+    ;;
+  temperature)  # ~150 s
+    for t in 0.0 1.0; do
+      JAX_DEFAULT_MATMUL_PRECISION=highest timeout 100 $py -m experiments.bench_matrix \
+        --config=configs/bench_matrix.py:default --config.temperature=$t --config.budgets=32 \
+        --config.batches=4 --config.max_new_tokens=96 --config.profile= --config.progress=False \
+        --config.out_dir="$out/temp_$t" >>"$out/temperature.log" 2>&1
+    done
+    tar -C "$out" -czf "$out/temperature.tgz" temp_0.0 temp_1.0 2>/dev/null
+    rm -rf "$out"/temp_*
+    ;;
+  m8b)
+    # Qwen3-8B shape (random weights: step times, tau ~1); rows.jsonl keeps the cells of a cut run
+    timeout 560 $py -m experiments.bench_matrix --config=configs/bench_matrix.py \
+      --config.max_new_tokens=48 --config.repeats=2 --config.profile= --config.progress=False \
+      --config.out_dir="$out/m8b" >"$out/m8b.log" 2>&1
+    tar -C "$out" -czf "$out/m8b.tgz" m8b 2>/dev/null && rm -r "$out/m8b"
+    ;;
+  *) echo "usage: $0 compile|step|step8|spec|quick|goals|results|int8|profile|profile_tp|kernel|sweep|gemm|tp|matrix|temperature|m8b OUT" >&2
+     exit 2 ;;
+esac
+ls -la "$out"

@@ -1,0 +1,149 @@
+"""The performance scripts of experiments/perf/ on their tiny CPU settings, each run as its own
+process from the repository root (`python -m experiments.perf.NAME`, as documented), and the
+skinny GEMM forms that bench_gemm.py times."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+
+from ddtree_jax import model
+from experiments.perf import skinny_gemm
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_script(name, *args, ok=True):
+  """Runs experiments/perf/NAME.py with args; returns (returncode, stdout + stderr)."""
+  proc = subprocess.run([sys.executable, "-m", f"experiments.perf.{name}", *args], cwd=REPO,
+                        capture_output=True, text=True, timeout=900)
+  out = proc.stdout + proc.stderr
+  if ok:
+    assert proc.returncode == 0, out[-3000:]
+  return proc.returncode, out
+
+
+def read_rows(path):
+  return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_bench_step_small_rows(tmp_path):
+  """AR and chain / DDTree rows with their round (slope) and per-call cost, the int8 drafter
+  over a draft vocabulary, stage times of one run."""
+  out = tmp_path / "step.jsonl"
+  run_script("bench_step", "--small", "--sections=copy,ar,spec", "--batches=1",
+             "--prefixes=64", "--spec_prefixes=64", "--budgets=chain,8", "--stage_runs=8",
+             "--steps=4", "--marginal_steps=8", "--repeats=1", "--drafters=int8:v256",
+             "--attention=xla", f"--json_out={out}")
+  rows = read_rows(out)
+  assert [r["section"] for r in rows] == ["copy", "ar", "spec", "spec"]
+  ar, chain, tree = rows[1:]
+  assert ar["floor_ms"] > 0 and {"round_ms", "per_call_ms"} <= set(ar)  # (noisy on CPU)
+  assert (chain["method"], tree["method"], tree["budget"]) == ("chain", "ddtree", 8)
+  assert tree["drafter"] == "int8:v256" and "vs_ar_round" in tree
+  assert "verify_ms" in tree and "verify_ms" not in chain  # --stage_runs=8 only
+  png = tmp_path / "rounds.png"
+  run_script("plot_results", f"--rows={out}", f"--out={png}")
+  assert png.stat().st_size > 1000
+  code, text = run_script("bench_step", "--small", "--steps=8", "--marginal_steps=8", ok=False)
+  assert code != 0 and "must exceed" in text
+
+
+def test_profile_step_small_and_its_overrides():
+  _, text = run_script("profile_step", "--small", "--runs=ar,8", "--steps=4", "--top=5",
+                       "--qkv_splits=0", "--residual=num_warps=4")
+  assert "== ar: step" in text and "== ddtree B=8: step" in text
+  assert "stage (named scope)" in text and "residual_warps=4" in text
+  code, text = run_script("profile_step", "--small", "--tree_attention=block_n=8", ok=False)
+  assert code != 0 and "unknown names" in text
+
+
+def test_attention_scripts_smoke(tmp_path):
+  _, text = run_script("bench_attention", "--smoke")
+  assert "median xla/pallas time ratio" in text
+  out = tmp_path / "sweep.jsonl"
+  run_script("sweep_attention", "--smoke", f"--json_out={out}")
+  rows = read_rows(out)
+  assert [r["tokens"] for r in rows] == [4, 9]
+  for r in rows:
+    assert "{},{}".format(*r["default"]) in r["times_us"] and len(r["times_us"]) >= 2
+    assert all(v > 0 for v in r["times_us"].values())
+
+
+def test_bench_residual_smoke():
+  _, text = run_script("bench_residual", "--smoke")
+  assert "KernelTuning's pick" in text and text.count("down") >= 2
+
+
+def test_bench_gemm_smoke(tmp_path):
+  out = tmp_path / "gemm.jsonl"
+  run_script("bench_gemm", "--smoke", "--forms=flat,model,sbt,pallas", f"--json_out={out}")
+  rows = read_rows(out)
+  want = {(m, form) for m in (1, 5) for form in ("flat", "model", "sbt", "pallas")}
+  assert {(r["rows"], r["form"]) for r in rows} == want
+  assert all(r["us"] > 0 for r in rows)
+  sweep = tmp_path / "sweep.jsonl"
+  run_script("bench_gemm", "--smoke", "--sweep", f"--json_out={sweep}")
+  rows = read_rows(sweep)
+  assert {r["gemm"] for r in rows} == {"qkv", "o", "gate_up", "down"}
+  assert {r["impl"] for r in rows} == {"xla", "pallas"} and all(r["us"] > 0 for r in rows)
+  formats = tmp_path / "formats.jsonl"
+  run_script("bench_gemm", "--smoke", "--formats=bf16,w8,w8a8,w8a8t,fp8", "--gemms=o",
+             f"--json_out={formats}")
+  rows = read_rows(formats)
+  err = {r["format"]: max(x["err"] for x in rows if x["format"] == r["format"]) for r in rows}
+  assert err["bf16"] < 1e-2 and err["w8"] < 3e-2 and err["w8a8"] < 3e-2 and err["fp8"] < 1e-1
+  assert err["w8a8t"] == err["w8a8"]  # the same numbers, stored K-major
+  code, text = run_script("bench_gemm", "--sweep", "--w8a8", "--variants=plain", ok=False)
+  assert code != 0 and "int8t" in text
+
+
+def test_skinny_gemm_forms_compute_the_same_layer():
+  """bench_gemm.py times model.py's projections against the layout model.py used before
+  (stacked k/v, gate/up axis first) and against the Pallas skinny GEMM: all must be the same
+  layer, or the table is moot."""
+  rng = np.random.default_rng(0)
+  d, nq, nkv, dh, f, t = 32, 4, 2, 8, 48, 5
+  w = lambda *s: jnp.asarray(rng.normal(size=s) * s[0] ** -0.5, jnp.float32)
+  layer = model.LayerParams(input_norm=w(d) + 1, wq=w(d, nq, dh), wkv=w(d, 2, nkv, dh),
+                            wo=w(nq, dh, d), q_norm=w(dh) + 1, k_norm=w(dh) + 1,
+                            post_norm=w(d) + 1, w_gate_up=w(d, 2, f), w_down=w(f, d))
+  x = w(1, t, d)
+  cfg = skinny_gemm.layer_config(d, f, nq, nkv, dh)
+  cos, sin = model.rope_tables(cfg, jnp.arange(t)[None], jnp.float32)
+  new = skinny_gemm.model_layer_step(x, layer, cos, sin, cfg=cfg, form="model")
+  old = skinny_gemm.model_layer_step(x, layer, cos, sin, cfg=cfg, form="sbt")
+  np.testing.assert_allclose(np.asarray(new), np.asarray(old), rtol=1e-5, atol=1e-5)
+  # the Pallas skinny-GEMM form (interpret mode here) computes the flat layer
+  flat = [w(d, 3 * d), w(d, d), w(d, 2 * f), w(f, d)]
+  xs = w(t, d)
+  np.testing.assert_allclose(np.asarray(skinny_gemm.pallas_layer_step(xs, *flat)),
+                             np.asarray(skinny_gemm.layer_step(xs, *flat)), rtol=1e-5, atol=1e-5)
+  # its split-K and transposed-weight variants (the --sweep configurations) too
+  for m, k, n in ((1, 256, 256), (5, 512, 256)):
+    xm, wm = w(m, k), w(k, n)
+    configs = skinny_gemm.sweep_configs(k, n, min_programs=1)
+    assert {c["splits"] for c in configs} > {1} and {c["transposed"] for c in configs} == {False, True}
+    assert {c["swap"] for c in configs} == {False, True}
+    for c in configs:
+      got = skinny_gemm.skinny_matmul(xm, wm.T if c["transposed"] else wm, **c)
+      np.testing.assert_allclose(np.asarray(got), np.asarray(xm @ wm), rtol=1e-5, atol=1e-5)
+  # int8 weights are cast in the kernel (--sweep --int8), plain and swapped
+  xi, wi = w(5, 256), jnp.asarray(rng.integers(-127, 128, size=(256, 128)), jnp.int8)
+  for swap in (False, True):
+    got = skinny_gemm.skinny_matmul(xi, wi, block_n=64, swap=swap)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(xi @ wi.astype(jnp.float32)),
+                               rtol=1e-5, atol=2e-3)  # |entries| up to ~1e3
+  # int8 x int8 (--sweep --w8a8): K-major weight, exact int32 sums, split-K and swapped too
+  qx = jnp.asarray(rng.integers(-127, 128, size=(5, 512)), jnp.int8)
+  qw = jnp.asarray(rng.integers(-127, 128, size=(256, 512)), jnp.int8)  # [N, K]
+  want = np.asarray(qx, np.int64) @ np.asarray(qw, np.int64).T
+  configs = skinny_gemm.sweep_configs(512, 256, min_programs=1, variants="int8t,int8swap")
+  assert {c["splits"] for c in configs} > {1} and {c["swap"] for c in configs} == {False, True}
+  for c in configs:
+    got = skinny_gemm.skinny_matmul(qx, qw, **c)
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(got), want)
