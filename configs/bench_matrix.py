@@ -1,8 +1,8 @@
 """The GPU benchmark matrix: ar / chain / ddtree x budgets x concurrency, bf16 (`make bench`).
 
-  python experiments/bench_matrix.py --config=configs/bench_matrix.py              # Qwen3-8B
-  python experiments/bench_matrix.py --config=configs/bench_matrix.py:llama3_8b
-  python experiments/bench_matrix.py --config=configs/bench_matrix.py:default      # bundled pair
+  python -m experiments.bench_matrix --config=configs/bench_matrix.py              # Qwen3-8B
+  python -m experiments.bench_matrix --config=configs/bench_matrix.py:llama3_8b
+  python -m experiments.bench_matrix --config=configs/bench_matrix.py:default      # bundled pair
 Checkpoints come from QWEN3_8B_DIR / QWEN3_8B_DFLASH_DIR (LLAMA3_8B_* for llama3_8b) or
 --config.target / --config.drafter. Without them the target and/or drafter are random weights of
 the same shapes (random_target / random_drafter, recorded in the JSON): the step timings are

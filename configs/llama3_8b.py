@@ -1,7 +1,7 @@
 """Llama-3(.1)-8B target + a DFlash drafter for it, bf16.
 
   LLAMA3_8B_DIR=/models/Llama-3.1-8B-Instruct LLAMA3_8B_DFLASH_DIR=/models/llama-dflash \
-    python experiments/bench_matrix.py --config=configs/bench_matrix.py:llama3_8b
+    python -m experiments.bench_matrix --config=configs/bench_matrix.py:llama3_8b
 Without checkpoints: --config.random_target=True --config.random_drafter=True.
 """
 

@@ -2,8 +2,8 @@
 
 Checkpoint folders come from env vars or flags:
   QWEN3_8B_DIR=/models/Qwen3-8B QWEN3_8B_DFLASH_DIR=/models/Qwen3-8B-DFlash-b16 \
-    python experiments/bench_matrix.py --config=configs/qwen3_8b.py
-  python experiments/coding_eval.py --config=configs/qwen3_8b.py --config.target=/models/Qwen3-8B
+    python -m experiments.bench_matrix --config=configs/qwen3_8b.py
+  python -m experiments.coding_eval --config=configs/qwen3_8b.py --config.target=/models/Qwen3-8B
 Without checkpoints: --config.random_target=True --config.random_drafter=True (random weights of
 the same shapes: step timing only, acceptance ~1).
 """

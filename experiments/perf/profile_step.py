@@ -4,14 +4,15 @@
   python -m experiments.perf.profile_step --runs=ar --batch=1 --mesh_tp=2  # tp=2: collectives too
   python -m experiments.perf.profile_step --small --runs=ar,8              # CPU smoke
 
-Same shapes and random weights as bench_step.py (harness.py). Per run: compile, one warm-up loop, then one loop
-of --steps steps under jax.profiler with a Perfetto trace, which this script reads back (no
-TensorBoard needed): device kernels grouped by name and by kind (matmul, attention kernel,
-collective, top-k / sort, other fusion), microseconds per decode step and share of the kernel
-time, and by stage (split by kind again): each kernel's HLO op carries the named scope (draft,
-tree, verify, accept_commit) that decode.step puts around its stages, so the stages are timed
-inside the one fused step, not as separate programs (profiling.py). On CPU the "kernels" are
-the XLA thunks of the host trace.
+Same shapes and random weights as bench_step.py (harness.py). Per run: compile, one warm-up loop,
+then one loop of --steps steps under jax.profiler with a Perfetto trace, which this script reads
+back (trace.py, no TensorBoard needed): device kernels grouped by name and by kind (matmul,
+attention kernel, collective, top-k / sort, other fusion), microseconds per decode step and share
+of the kernel time, and by stage (split by kind again): each kernel's HLO op carries the named
+scope (draft, tree, verify, accept_commit) that decode.step puts around its stages, so the stages
+are timed inside the one fused step, not as separate programs (profiling.py). On CPU the
+"kernels" are the XLA thunks of the host trace. --tree_attention, --qkv_splits and --residual
+A/B the Pallas kernels' rules inside the real step (a `KernelTuning`, harness.tuning_overrides).
 
 Kernels that XLA:GPU replays inside CUDA graphs (command buffers, on by default) are not traced one
 by one, so this script turns command buffers off (--xla_gpu_enable_command_buffer=) unless
