@@ -6,42 +6,72 @@ ever executed. Writing HF directories: `hf_export`."""
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
+import logging
 import os
+import re
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax import sharding
+from ddtree_jax import files, sharding
 from ddtree_jax.config import ModelConfig, config_from_hf
 from ddtree_jax.model import LayerParams, Params
-from ddtree_jax.safetensors_io import read_safetensors
+from ddtree_jax.safetensors_io import CheckpointError, read_safetensors
 
 def read_checkpoint_tensors(path: str) -> dict[str, np.ndarray]:
-  """All tensors of an HF directory: model.safetensors or a sharded index."""
+  """All tensors of an HF directory: model.safetensors or a sharded index whose shards lie
+  inside the directory and hold every tensor the index names."""
   single = os.path.join(path, "model.safetensors")
   index = os.path.join(path, "model.safetensors.index.json")
   if os.path.exists(single):
     return read_safetensors(single)
-  if os.path.exists(index):
-    with open(index) as f:
-      files = sorted(set(json.load(f)["weight_map"].values()))
-    tensors = {}
-    for name in files:
-      tensors.update(read_safetensors(os.path.join(path, name)))
-    return tensors
-  raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json "
-                          "(only safetensors checkpoints are loaded)")
+  if not os.path.exists(index):
+    raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json "
+                            "(only safetensors checkpoints are loaded)")
+  weight_map = read_json(index).get("weight_map")
+  if not isinstance(weight_map, dict) or not all(
+      isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+    raise CheckpointError(f"{index}: 'weight_map' must map tensor names to shard file names")
+  root = os.path.realpath(path)
+  tensors, by_file = {}, {}
+  for name, file in weight_map.items():
+    by_file.setdefault(file, []).append(name)
+  for file, names in sorted(by_file.items()):
+    shard = os.path.realpath(os.path.join(root, file))
+    if os.path.commonpath([root, shard]) != root or os.path.dirname(shard) != root:
+      raise CheckpointError(f"{index}: shard {file!r} is not a file of the checkpoint "
+                            "directory")
+    if not os.path.isfile(shard):
+      raise CheckpointError(f"{index}: shard {file!r} does not exist")
+    part = read_safetensors(shard)
+    missing = sorted(set(names) - set(part))
+    if missing:
+      raise CheckpointError(f"{shard}: lacks tensors the index puts there: {missing[:5]}")
+    tensors.update(part)
+  return tensors
+
+
+def read_json(file: str) -> dict[str, Any]:
+  """A JSON object from `file`; errors name the file."""
+  try:
+    with open(file) as f:
+      obj = json.load(f)
+  except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise CheckpointError(f"{file}: not valid JSON ({e})") from None
+  if not isinstance(obj, dict):
+    raise CheckpointError(f"{file}: expected a JSON object, got {type(obj).__name__}")
+  return obj
 
 
 def read_config(path: str) -> dict[str, Any]:
   file = os.path.join(path, "config.json")
   if not os.path.exists(file):
     raise FileNotFoundError(f"{path}: no config.json")
-  with open(file) as f:
-    return json.load(f)
+  return read_json(file)
 
 
 def _full_index(idx, ndim: int) -> tuple:
@@ -86,21 +116,60 @@ class Joined:
     return joined[(slice(None),) * self.axis + (idx[self.axis],)]
 
 
+class _Missing:
+  """Stands in for a tensor the checkpoint lacks until `TensorReader.check_complete` reports it."""
+
+  def __init__(self, shape):
+    self.shape = tuple(shape)
+
+  @property
+  def T(self):  # pylint: disable=invalid-name
+    return _Missing(self.shape[::-1])
+
+  def reshape(self, *shape):
+    return _Missing(shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape)
+
+
+# Tensors a checkpoint may hold that no model here reads (RoPE tables are recomputed).
+SKIPPED_TENSORS = (re.compile(r"(^|\.)rotary_emb\.inv_freq$"),)
+
+
 class TensorReader:
   """Fetches named tensors with shape checks as lazy host views in our [in, out] layouts
-  (memory-mapped numpy views, `Stacked` or `Joined`); nothing is read until `place` slices them."""
+  (memory-mapped numpy views, `Stacked` or `Joined`); nothing is read until `place` slices them.
+  It records what it reads: `check_complete` then refuses a checkpoint with missing tensors or
+  tensors no one read (a config that does not match the file, a bias the model has no place for).
+  """
 
   def __init__(self, tensors: dict[str, np.ndarray], source: str):
     self.tensors, self.source = tensors, source
+    self.used, self.missing = set(), []
 
   def raw(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
     if name not in self.tensors:
-      raise KeyError(f"{self.source}: missing tensor {name!r} (expected shape {shape})")
+      self.missing.append(f"{name} {tuple(shape)}")
+      return _Missing(shape)
     t = self.tensors[name]
     if tuple(t.shape) != tuple(shape):
-      raise ValueError(f"{self.source}: tensor {name!r} has shape {tuple(t.shape)}, "
-                       f"expected {tuple(shape)}")
+      raise CheckpointError(f"{self.source}: tensor {name!r} has shape {tuple(t.shape)}, "
+                            f"expected {tuple(shape)}")
+    self.used.add(name)
     return t
+
+  def check_complete(self, skip=SKIPPED_TENSORS, hint: str = "") -> None:
+    """Raises CheckpointError naming the missing tensors and those nothing read (less `skip`)."""
+    unused = sorted(n for n in set(self.tensors) - self.used
+                    if not any(p.search(n) for p in skip))
+    if not self.missing and not unused:
+      return
+    parts = []
+    if self.missing:
+      parts.append(f"missing tensors {self.missing[:6]}"
+                   + (f" (+{len(self.missing) - 6} more)" if len(self.missing) > 6 else ""))
+    if unused:
+      parts.append(f"tensors this loader does not read {unused[:6]}"
+                   + (f" (+{len(unused) - 6} more)" if len(unused) > 6 else ""))
+    raise CheckpointError(f"{self.source}: " + "; ".join(parts) + (f". {hint}" if hint else ""))
 
   def get(self, name: str, shape, transform=lambda t: t):
     return transform(self.raw(name, shape))
@@ -141,11 +210,21 @@ def place(host_tree, dtype, shardings=None):
   every device receives only its own shard, read and converted from the memory map by
   `jax.make_array_from_callback`: no device (and no host buffer) ever holds a full copy of a
   sharded tensor."""
+  dtype = jnp.dtype(dtype)
+
+  def read(path, t, idx):
+    x = np.asarray(t[idx]).astype(dtype)
+    bad = x.size - int(np.isfinite(x).sum())
+    if bad:
+      raise CheckpointError(f"weights {jax.tree_util.keystr(path)}: {bad} non-finite values in "
+                            f"{dtype.name} (a broken checkpoint, or values that overflow it)")
+    return x
+
   if shardings is None:
-    return jax.tree.map(lambda t: jnp.asarray(np.asarray(t[...]).astype(dtype)), host_tree)
-  return jax.tree.map(
-      lambda t, s: jax.make_array_from_callback(
-          tuple(t.shape), s, lambda idx: np.asarray(t[idx]).astype(dtype)),
+    return jax.tree_util.tree_map_with_path(lambda p, t: jnp.asarray(read(p, t, ...)), host_tree)
+  return jax.tree_util.tree_map_with_path(
+      lambda p, t, s: jax.make_array_from_callback(tuple(t.shape), s,
+                                                   lambda idx: read(p, t, idx)),
       host_tree, shardings)
 
 
@@ -154,7 +233,10 @@ def load_tokenizer(path: str):
   if not os.path.exists(file):
     return None
   import tokenizers  # pylint: disable=import-outside-toplevel
-  return tokenizers.Tokenizer.from_file(file)
+  try:
+    return tokenizers.Tokenizer.from_file(file)
+  except Exception as e:  # pylint: disable=broad-except  (tokenizers raises plain Exceptions)
+    raise CheckpointError(f"{file}: not a readable tokenizer ({e})") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,14 +254,23 @@ class Target:
     return self.params.embed.dtype
 
 
+DTYPE_NAMES = {"bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16, "float32": jnp.float32,
+               "fp32": jnp.float32, "float16": jnp.float16}
+
+
 def parse_dtype(dtype) -> jnp.dtype:
-  names = {"bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16, "float32": jnp.float32,
-           "fp32": jnp.float32, "float16": jnp.float16}
+  """A float compute dtype: a name of DTYPE_NAMES or a float32 / bfloat16 / float16 dtype."""
   if isinstance(dtype, str):
-    if dtype not in names:
-      raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(names)}")
-    return jnp.dtype(names[dtype])
-  return jnp.dtype(dtype)
+    if dtype not in DTYPE_NAMES:
+      raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPE_NAMES)}")
+    return jnp.dtype(DTYPE_NAMES[dtype])
+  try:
+    dt = jnp.dtype(dtype)
+  except TypeError:
+    raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPE_NAMES)}") from None
+  if dt not in {jnp.dtype(v) for v in DTYPE_NAMES.values()}:
+    raise ValueError(f"dtype {dt.name} cannot hold weights; choose one of {sorted(DTYPE_NAMES)}")
+  return dt
 
 
 def _place_sharded(host, dtype, mesh, rules):
@@ -204,6 +295,8 @@ def load_target_params(path: str, cfg: ModelConfig, dtype, mesh=None, rules=None
       final_norm=r.get("model.norm.weight", (h,)),
       lm_head=None if cfg.tie_word_embeddings else r.linear("lm_head.weight", v, h),
   )
+  r.check_complete(hint=f"Does config.json (num_hidden_layers {cfg.num_layers}, "
+                        f"tie_word_embeddings {cfg.tie_word_embeddings}) describe this checkpoint?")
   return _place_sharded(host, dtype, mesh, rules)
 
 
@@ -217,9 +310,10 @@ def load_target(path: str, dtype="bfloat16", mesh=None, rules=None, fuse_qkv: bo
   layout, concatenated on the host: one projection GEMM per layer) unless fuse_qkv=False; fused
   params cannot be sharded (nor an orbax checkpoint of them restored onto a mesh).
   """
-  cfg = config_from_hf(read_config(path))
+  cfg = config_from_hf(read_config(path), source=os.path.join(path, "config.json"))
   dtype = parse_dtype(dtype)
   if mesh is not None:
+    mesh = sharding.check_mesh(mesh)
     rules = rules or sharding.DEFAULT_RULES
   params = load_target_params(path, cfg, dtype, mesh, rules, fuse_qkv=mesh is None and fuse_qkv)
   return Target(params=params, config=cfg, tokenizer=load_tokenizer(path), path=path, mesh=mesh,
@@ -242,11 +336,30 @@ class Drafter:
   path: str | None = None
 
 
-def drafter_config_from_hf(cfg: dict[str, Any], target: ModelConfig):
-  """Parses a z-lab DFlash config.json against the target it drafts for."""
+_DFLASH_KNOWN_FIELDS = ("mask_token_id", "mask_token", "target_layer_ids", "block_size",
+                        "num_target_layers")
+
+
+def drafter_config_from_hf(cfg: dict[str, Any], target: ModelConfig, source: str = "drafter",
+                           allow_layer_mismatch: bool = False):
+  """Parses a z-lab DFlash config.json against the target it drafts for. A `num_target_layers`
+  other than the target's is refused (the drafter was trained on another model's features)
+  unless allow_layer_mismatch; unknown `dflash_config` keys are warned about by name."""
   from ddtree_jax.drafter import DrafterConfig, default_target_layer_ids  # pylint: disable=import-outside-toplevel
-  dflash = dict(cfg.get("dflash_config") or {})
+  dflash = cfg.get("dflash_config") or {}
+  if not isinstance(dflash, dict):
+    raise CheckpointError(f"{source}: dflash_config must be a JSON object")
+  unknown = sorted(set(dflash) - set(_DFLASH_KNOWN_FIELDS) - set(_DRAFTER_VARIANT_FIELDS)
+                   - set(_DRAFTER_UNIT_FIELDS) - {"final_logit_softcapping", "is_causal"})
+  if unknown:
+    logging.getLogger(__name__).warning("%s: dflash_config keys %s are not used by this loader",
+                                        source, unknown)
   value = lambda name, default=None: dflash.get(name, cfg.get(name, default))
+  n_target = value("num_target_layers")
+  if n_target is not None and int(n_target) != target.num_layers and not allow_layer_mismatch:
+    raise CheckpointError(f"{source}: the drafter was made for a {n_target}-layer target, this "
+                          f"target has {target.num_layers} layers (load_drafter(..., "
+                          "allow_layer_mismatch=True) to use it anyway)")
   for name in _DRAFTER_VARIANT_FIELDS:
     if value(name) is not None:
       raise ValueError(f"unsupported DFlash variant: config field {name!r} is set")
@@ -259,7 +372,7 @@ def drafter_config_from_hf(cfg: dict[str, Any], target: ModelConfig):
     raise ValueError("unsupported DFlash variant: is_causal=true (DFlash blocks are non-causal)")
   if cfg.get("use_sliding_window") or any(t != "full_attention" for t in cfg.get("layer_types") or []):
     raise ValueError("unsupported DFlash variant: sliding-window drafter layers")
-  layers = config_from_hf({**cfg, "model_type": "qwen3"})
+  layers = config_from_hf({**cfg, "model_type": "qwen3"}, source=source)
   if layers.hidden_size != target.hidden_size:
     raise ValueError(f"drafter hidden_size {layers.hidden_size} != target hidden_size "
                      f"{target.hidden_size}")
@@ -286,14 +399,19 @@ def drafter_config_from_hf(cfg: dict[str, Any], target: ModelConfig):
 
 
 def load_drafter(path: str, target: Target, dtype=None, int8: bool = False,
-                 draft_vocab=None) -> Drafter:
+                 draft_vocab=None, allow_layer_mismatch: bool = False) -> Drafter:
   """Loads a z-lab-format DFlash drafter directory for `target` (dtype defaults to the target's).
   On a sharded target the drafter is sharded on the same mesh with the same rules.
   int8=True: an int8 (W8A8) drafter with its own int8 lm_head (`drafter.quantize_int8`).
   draft_vocab: vocabulary ids [Vd] (or a .npy file of them) the drafter drafts over, with its own
-  lm_head over those ids (`drafter.restrict_vocab`); None: the whole vocabulary."""
+  lm_head over those ids (`drafter.restrict_vocab`); None: the whole vocabulary.
+  allow_layer_mismatch: accept a drafter whose num_target_layers is not the target's."""
   from ddtree_jax.drafter import DrafterParams  # pylint: disable=import-outside-toplevel
-  cfg = drafter_config_from_hf(read_config(path), target.config)
+  if not isinstance(target, Target):
+    raise TypeError(f"load_drafter needs the Target it drafts for, got {type(target).__name__}")
+  cfg = drafter_config_from_hf(read_config(path), target.config,
+                               source=os.path.join(path, "config.json"),
+                               allow_layer_mismatch=allow_layer_mismatch)
   dtype = target.dtype if dtype is None else parse_dtype(dtype)
   r = TensorReader(read_checkpoint_tensors(path), path)
   h, lc = target.config.hidden_size, cfg.layers
@@ -303,6 +421,8 @@ def load_drafter(path: str, target: Target, dtype=None, int8: bool = False,
       layers=[r.layer(f"layers.{i}.", lc) for i in range(lc.num_layers)],
       final_norm=r.get("norm.weight", (h,)),
   )
+  r.check_complete(hint=f"Does config.json (num_hidden_layers {lc.num_layers}) describe this "
+                        "drafter?")
   params = derive_drafter_params(_place_sharded(host, dtype, target.mesh, target.rules), target,
                                  int8=int8, draft_vocab=draft_vocab)
   return Drafter(params=params, config=cfg, path=path)
@@ -349,8 +469,10 @@ def _nested(tree) -> dict:
 def save_params(path: str, params) -> None:
   """Writes a params pytree (target or drafter; sharded or not) as an orbax checkpoint."""
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  path = os.path.abspath(path)
+  files.remove_stale_orbax_temporaries(os.path.dirname(path), glob.escape(os.path.basename(path)))
   with ocp.StandardCheckpointer() as ckptr:
-    ckptr.save(os.path.abspath(path), _nested(params))
+    ckptr.save(path, _nested(params))
     ckptr.wait_until_finished()
 
 

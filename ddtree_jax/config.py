@@ -73,41 +73,75 @@ def _rope_settings(cfg: dict[str, Any]) -> tuple[float, tuple]:
   return float(theta), tuple(sorted((k, float(merged[k])) for k in keys))
 
 
-def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
-  """Parses a Hugging Face config.json dict for Qwen3 (dense) or Llama; raises on what we lack."""
+def _positive_int(cfg: dict[str, Any], key: str, source: str, default=None) -> int:
+  v = cfg.get(key, default)
+  if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+    raise ValueError(f"{source}: {key} must be a positive integer, got {v!r}")
+  return v
+
+
+def _positive_float(cfg: dict[str, Any], key: str, source: str, default: float) -> float:
+  v = cfg.get(key, default)
+  if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+    raise ValueError(f"{source}: {key} must be a finite number > 0, got {v!r}")
+  return float(v)
+
+
+def config_from_hf(cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
+  """Parses a Hugging Face config.json dict for Qwen3 (dense) or Llama; raises on what we lack
+  and on values out of range, naming `source`."""
   model_type = cfg.get("model_type")
   if model_type not in SUPPORTED_MODEL_TYPES:
-    raise ValueError(f"unsupported model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
+    raise ValueError(f"{source}: unsupported model_type {model_type!r}; supported: "
+                     f"{SUPPORTED_MODEL_TYPES}")
   for key in _REFUSE_IF_TRUE:
     if cfg.get(key):
-      raise ValueError(f"unsupported config field {key}={cfg[key]!r} for {model_type}")
+      raise ValueError(f"{source}: unsupported config field {key}={cfg[key]!r} for {model_type}")
   if cfg.get("hidden_act", "silu") != "silu":
-    raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r} (only 'silu')")
+    raise ValueError(f"{source}: unsupported hidden_act {cfg['hidden_act']!r} (only 'silu')")
   layer_types = cfg.get("layer_types")
   if layer_types and any(t != "full_attention" for t in layer_types):
-    raise ValueError(f"unsupported layer_types {sorted(set(layer_types))} (only full_attention)")
+    raise ValueError(f"{source}: unsupported layer_types {sorted(set(layer_types))} (only "
+                     "full_attention)")
   for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
               "num_attention_heads"):
     if key not in cfg:
-      raise ValueError(f"config.json lacks required field {key!r}")
+      raise ValueError(f"{source}: config.json lacks required field {key!r}")
+    _positive_int(cfg, key, source)
   heads = cfg["num_attention_heads"]
+  kv_heads = _positive_int(cfg, "num_key_value_heads", source, cfg.get("num_key_value_heads")
+                           or heads)
+  head_dim = _positive_int(cfg, "head_dim", source, cfg.get("head_dim")
+                           or cfg["hidden_size"] // heads or None)
   eos = cfg.get("eos_token_id")
   eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
-  theta, scaling = _rope_settings(cfg)
-  return ModelConfig(
-      model_type=model_type,
-      vocab_size=cfg["vocab_size"],
-      hidden_size=cfg["hidden_size"],
-      intermediate_size=cfg["intermediate_size"],
-      num_layers=cfg["num_hidden_layers"],
-      num_heads=heads,
-      num_kv_heads=cfg.get("num_key_value_heads") or heads,
-      head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-      rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-      rope_theta=theta,
-      rope_scaling=scaling,
-      qk_norm=model_type == "qwen3",
-      tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-      eos_token_ids=eos,
-      max_position_embeddings=cfg.get("max_position_embeddings", 32768),
-  )
+  if any(isinstance(e, bool) or not isinstance(e, int) or not 0 <= e < cfg["vocab_size"]
+         for e in eos):
+    raise ValueError(f"{source}: eos_token_id {cfg.get('eos_token_id')!r} is not a token id in "
+                     f"[0, {cfg['vocab_size']})")
+  try:
+    theta, scaling = _rope_settings(cfg)
+  except ValueError as e:
+    raise ValueError(f"{source}: {e}") from None
+  if not math.isfinite(theta) or theta <= 0:
+    raise ValueError(f"{source}: rope_theta must be a finite number > 0, got {theta!r}")
+  try:
+    return ModelConfig(
+        model_type=model_type,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=_positive_float(cfg, "rms_norm_eps", source, 1e-6),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        qk_norm=model_type == "qwen3",
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        eos_token_ids=eos,
+        max_position_embeddings=_positive_int(cfg, "max_position_embeddings", source, 32768),
+    )
+  except ValueError as e:
+    raise ValueError(f"{source}: {e}") from None

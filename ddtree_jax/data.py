@@ -18,6 +18,8 @@ import sysconfig
 
 import numpy as np
 
+from ddtree_jax import files
+
 EXCLUDE_DIRS = frozenset({
     "test", "tests", "idlelib", "tkinter", "turtledemo", "lib2to3", "site-packages",
     "dist-packages", "ensurepip", "encodings", "pydoc_data", "__pycache__", "lib-dynload",
@@ -202,16 +204,15 @@ def prepare_corpus(workdir: str, vocab_size: int, heldout_fraction: float = 0.02
   if not train or not heldout:
     raise ValueError(f"no {'train' if not train else 'held-out'} files under {root}")
   tok = train_tokenizer([t for _, t in train], vocab_size)
-  tok.save(tok_path)
+  files.save_tokenizer(tok, tok_path)
   streams = {}
   for name, docs in (("train", train), ("heldout", heldout)):
     streams[name] = encode_documents(tok, [t for _, t in docs])
-    np.save(os.path.join(ddir, f"{name}.npy"), streams[name])
+    files.save_npy(os.path.join(ddir, f"{name}.npy"), streams[name])
   info = {"settings": settings, "root": root, "tokenizer_vocab": tok.get_vocab_size(),
           "train_files": [r for r, _ in train], "heldout_files": [r for r, _ in heldout],
           "train_bytes": sum(len(t.encode()) for _, t in train),
           "heldout_bytes": sum(len(t.encode()) for _, t in heldout),
           "train_tokens": int(len(streams["train"])), "heldout_tokens": int(len(streams["heldout"]))}
-  with open(info_path, "w") as f:
-    json.dump(info, f, indent=1)
+  files.write_json(info_path, info, indent=1)  # written last: it marks the data complete
   return tok, streams["train"], streams["heldout"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import logging
 import os
 import time
 from typing import Any, Sequence
@@ -18,9 +19,11 @@ from ddtree_jax import drafter as drafter_lib
 from ddtree_jax import kernels as kernels_lib
 from ddtree_jax import model
 from ddtree_jax import sharding
+from ddtree_jax import validation
 from ddtree_jax.checkpoint import Drafter, Target
 
-MAX_BUDGET = 1024
+MAX_BUDGET = validation.MAX_BUDGET
+_LOG = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -37,41 +40,6 @@ def _default_attention() -> str:
   return "pallas" if jax.default_backend() == "gpu" else "xla"
 
 
-def _validate(target, prompts, method, max_new_tokens, drafter, budget, topk_cap, attention,
-              temperature, top_k, top_p, steps_per_check):
-  if method not in decode.METHODS:
-    raise ValueError(f"unknown method {method!r}; choose one of {decode.METHODS}")
-  if attention not in kernels_lib.ATTENTIONS:
-    raise ValueError(f"unknown attention {attention!r}; choose one of {kernels_lib.ATTENTIONS}")
-  if not prompts:
-    raise ValueError("prompts is empty: give at least one prompt")
-  for i, p in enumerate(prompts):
-    if len(p) == 0:
-      raise ValueError(f"prompt {i} is empty")
-    bad = [t for t in p if not 0 <= int(t) < target.config.vocab_size]
-    if bad:
-      raise ValueError(f"prompt {i} has token ids {bad[:5]} outside [0, {target.config.vocab_size})")
-  if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-    raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-  if not isinstance(steps_per_check, (int, np.integer)) or steps_per_check < 1:
-    raise ValueError(f"steps_per_check must be an integer >= 1, got {steps_per_check!r}")
-  if temperature < 0:
-    raise ValueError(f"temperature must be >= 0, got {temperature}")
-  if top_k is not None and top_k < 1:
-    raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
-  if top_p is not None and not 0.0 < top_p <= 1.0:
-    raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
-  if method != "ar" and drafter is None:
-    raise ValueError(f"method {method!r} needs a drafter (generate(..., drafter=load_drafter(...)))")
-  if method == "ddtree":
-    if budget is None or not 1 <= budget <= MAX_BUDGET:
-      raise ValueError(f"ddtree budget must be in [1, {MAX_BUDGET}], got {budget!r}")
-    if topk_cap is not None and topk_cap < 1:
-      raise ValueError(f"topk_cap must be >= 1 or None, got {topk_cap!r}")
-  elif budget is not None and method == "ar":
-    raise ValueError("budget is only meaningful for method='ddtree'")
-
-
 _PROGRAMS: dict = {}
 
 
@@ -81,11 +49,16 @@ def _programs(args, capacity, statics):
          jax.tree.structure(args),
          tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in jax.tree.leaves(args)))
   if key not in _PROGRAMS:
+    lc, t0 = statics["lc"], time.perf_counter()
+    what = (f"{lc.method}" + (f" B={lc.budget}" if lc.method == "ddtree" else "")
+            + f", batch {args[2].shape[0]}, {capacity} cache rows, {lc.max_new_tokens} new tokens")
+    _LOG.info("compiling prefill + decode loop (%s)...", what)
     prefill = decode.prefill.lower(*args, capacity=capacity, **statics).compile()
     # The loop takes the state exactly as prefill lays it out (shardings included).
     state = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=s.sharding),
                          prefill.out_info)
     loop = decode.decode_loop.lower(args[0], args[1], state, **statics).compile()
+    _LOG.info("compiled (%s) in %.1f s", what, time.perf_counter() - t0)
     _PROGRAMS[key] = (prefill, loop)
   return _PROGRAMS[key]
 
@@ -94,16 +67,14 @@ def _prepare(target, prompts, *, method, max_new_tokens, temperature, seed, stop
              drafter, budget, topk_cap, cache_capacity, attention, top_k, top_p, steps_per_check,
              kernel_tuning):
   """Validates a request and lays it out in static shapes: (args, capacity, statics)."""
-  attention = attention or _default_attention()
-  _validate(target, prompts, method, max_new_tokens, drafter, budget, topk_cap, attention,
-            temperature, top_k, top_p, steps_per_check)
-  stop = target.config.eos_token_ids if stop_token_ids is None else tuple(stop_token_ids)
+  req = validation.check_generate(
+      target, prompts, method=method, max_new_tokens=max_new_tokens, temperature=temperature,
+      seed=seed, stop_token_ids=stop_token_ids, drafter=drafter, budget=budget,
+      topk_cap=topk_cap, cache_capacity=cache_capacity, attention=attention, top_k=top_k,
+      top_p=top_p, steps_per_check=steps_per_check, kernel_tuning=kernel_tuning,
+      default_attention=_default_attention())
+  method, prompts, capacity = req.method, req.prompts, req.capacity
   lens = np.array([len(p) for p in prompts], np.int32)
-  need = int(lens.max()) + max_new_tokens - 1
-  capacity = cache_capacity or _round_up(need, 128)
-  if need > capacity:
-    raise ValueError(f"prompt of {lens.max()} tokens + max_new_tokens {max_new_tokens} needs "
-                     f"{need} cache rows; cache_capacity is {capacity}")
   t = _round_up(int(lens.max()), 16)
   tokens = np.zeros((len(prompts), t), np.int32)
   for i, p in enumerate(prompts):
@@ -112,20 +83,19 @@ def _prepare(target, prompts, *, method, max_new_tokens, temperature, seed, stop
   dcfg = drafter.config if use_drafter else None
   dparams = drafter.params if use_drafter else None
   lc = decode.LoopConfig(
-      method=method, max_new_tokens=int(max_new_tokens),
+      method=method, max_new_tokens=req.max_new_tokens,
       num_drafts=dcfg.num_drafts if use_drafter else 0,
-      budget=int(budget) if method == "ddtree" else 0, topk_cap=topk_cap,
-      temperature=float(temperature), top_k=top_k if temperature else None,
-      top_p=top_p if temperature else None, stop_ids=tuple(int(s) for s in stop),
-      steps_per_check=int(steps_per_check),
+      budget=req.budget or 0, topk_cap=req.topk_cap, temperature=req.temperature,
+      top_k=req.top_k if req.temperature else None, top_p=req.top_p if req.temperature else None,
+      stop_ids=req.stop_ids, steps_per_check=req.steps_per_check,
       # tensor/data parallel (sharding.py) when the target has a mesh
-      kernels=kernels_lib.Kernels(attention, target.mesh, target.rules,
+      kernels=kernels_lib.Kernels(req.attention, target.mesh, target.rules,
                                   kernel_tuning or kernels_lib.KernelTuning()))
   mesh, rules = target.mesh, target.rules
   statics = dict(tcfg=target.config, dcfg=dcfg, lc=lc)
   tokens, lens = sharding.pad_batch((tokens, lens), mesh, rules)  # batch: a multiple of dp
   args = (target.params, dparams, sharding.put_batch(tokens, mesh, rules),
-          sharding.put_batch(lens, mesh, rules), sharding.replicate(jax.random.key(seed), mesh))
+          sharding.put_batch(lens, mesh, rules), sharding.replicate(jax.random.key(req.seed), mesh))
   return args, capacity, statics
 
 
@@ -181,6 +151,31 @@ def enable_compilation_cache(path: str, min_compile_seconds: float = 0.0) -> Non
   jax.config.update("jax_compilation_cache_dir", path)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_seconds)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "ddtree_jax", "xla")
+
+
+def define_compilation_cache_flags(default: bool = True) -> None:
+  """absl flags --[no]compilation_cache (on by default) and --compilation_cache_dir (default
+  $DDTREE_CACHE_DIR or ~/.cache/ddtree_jax/xla); every script defines them."""
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  if "compilation_cache" in flags.FLAGS:
+    return
+  flags.DEFINE_bool("compilation_cache", default, "keep compiled programs in JAX's persistent "
+                    "cache, so that a rerun with the same shapes compiles nothing")
+  flags.DEFINE_string("compilation_cache_dir",
+                      os.environ.get("DDTREE_CACHE_DIR", DEFAULT_CACHE_DIR),
+                      "directory of the persistent compilation cache")
+
+
+def compilation_cache_from_flags() -> str | None:
+  """Turns the persistent cache on as the flags say; returns its directory (None: off)."""
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  if not flags.FLAGS.compilation_cache:
+    return None
+  enable_compilation_cache(flags.FLAGS.compilation_cache_dir)
+  return flags.FLAGS.compilation_cache_dir
 
 
 def generate(target: Target, prompts: Sequence[Sequence[int]], *, method: str = "ar",
@@ -248,18 +243,32 @@ def _forward_logits(params, token_ids, *, cfg):
 
 def forward_logits(target: Target, token_ids) -> jax.Array:
   """Plain causal forward, no cache: token_ids [B, T] -> float32 logits [B, T, V]."""
-  token_ids = jnp.asarray(token_ids, jnp.int32)
-  if token_ids.ndim != 2:
-    raise ValueError(f"token_ids must be [B, T], got shape {token_ids.shape}")
-  return _forward_logits(target.params, token_ids, cfg=target.config)
+  ids = np.asarray(token_ids)
+  if ids.ndim != 2 or not ids.size:
+    raise validation.RequestError(f"token_ids must be a non-empty [B, T] array, got shape "
+                                  f"{ids.shape}")
+  for i, row in enumerate(ids):
+    validation.token_ids(f"token_ids row {i}", row, target.config.vocab_size)
+  if ids.shape[1] > target.config.max_position_embeddings:
+    raise validation.RequestError(f"{ids.shape[1]} tokens exceed the model's "
+                                  f"{target.config.max_position_embeddings} positions")
+  return _forward_logits(target.params, jnp.asarray(ids, jnp.int32), cfg=target.config)
 
 
 def draft_logits(target: Target, drafter: Drafter, prompt: Sequence[int]) -> jax.Array:
   """The drafter's logits [bs-1, V] for the first block after `prompt` (greedy bonus); [bs-1, Vd]
   over `drafter.params.draft_vocab` for a drafter with a draft vocabulary (build_tree's tokens
   are then column indices: map them with draft_vocab[tokens[..., 1:]])."""
-  if len(prompt) == 0:
-    raise ValueError("prompt is empty")
+  if not isinstance(drafter, Drafter):
+    raise validation.RequestError(f"drafter must be a Drafter (ddtree_jax.load_drafter), got "
+                                  f"{type(drafter).__name__}")
+  prompt = validation.token_ids("prompt", prompt, target.config.vocab_size)
+  if not prompt:
+    raise validation.RequestError("prompt is empty")
+  if len(prompt) + drafter.config.block_size > target.config.max_position_embeddings:
+    raise validation.RequestError(f"a prompt of {len(prompt)} tokens and a block of "
+                                  f"{drafter.config.block_size} exceed the model's "
+                                  f"{target.config.max_position_embeddings} positions")
   state = decode.prefill(
       target.params, drafter.params, jnp.asarray([list(prompt)], jnp.int32),
       jnp.asarray([len(prompt)], jnp.int32), jax.random.key(0), tcfg=target.config,

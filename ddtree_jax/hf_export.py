@@ -1,10 +1,10 @@
 """Writing Hugging Face checkpoints: a Qwen3 target or a z-lab DFlash drafter directory
 (config.json, model.safetensors in PyTorch [out, in] layout), the exact inverse of the loaders in
-`checkpoint`."""
+`checkpoint`. Every file is written atomically (`files`): re-exporting over a good export and
+being killed leaves each file whole."""
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ddtree_jax import files
 from ddtree_jax.checkpoint import parse_dtype
 from ddtree_jax.config import ModelConfig
 from ddtree_jax.model import LayerParams, Params
@@ -63,12 +64,11 @@ def _hf_fields(cfg: ModelConfig, dtype_name: str) -> dict[str, Any]:
 
 
 def _write_tokenizer(path: str, tokenizer, eos_token: str | None):
-  tokenizer.save(os.path.join(path, "tokenizer.json"))
+  files.save_tokenizer(tokenizer, os.path.join(path, "tokenizer.json"))
   tc = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
   if eos_token:
     tc.update(eos_token=eos_token, pad_token=eos_token)
-  with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-    json.dump(tc, f, indent=2)
+  files.write_json(os.path.join(path, "tokenizer_config.json"), tc, indent=2)
 
 
 def save_target_hf(path: str, params: Params, cfg: ModelConfig, tokenizer=None,
@@ -81,6 +81,7 @@ def save_target_hf(path: str, params: Params, cfg: ModelConfig, tokenizer=None,
   dtype_name = {np.dtype(jnp.bfloat16): "bfloat16", np.dtype(np.float32): "float32",
                 np.dtype(np.float16): "float16"}[dt]
   os.makedirs(path, exist_ok=True)
+  files.remove_stale_temporaries(path)
   t = {"model.embed_tokens.weight": _np(params.embed, dt), "model.norm.weight": _np(params.final_norm, dt)}
   for i, layer in enumerate(params.layers):
     t.update(_layer_tensors(f"model.layers.{i}.", layer, cfg, dt))
@@ -92,11 +93,10 @@ def save_target_hf(path: str, params: Params, cfg: ModelConfig, tokenizer=None,
           "tie_word_embeddings": cfg.tie_word_embeddings,
           "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
           "bos_token_id": None, "use_cache": True}
-  with open(os.path.join(path, "config.json"), "w") as f:
-    json.dump(conf, f, indent=2)
+  files.write_json(os.path.join(path, "config.json"), conf, indent=2)
   if eos:
-    with open(os.path.join(path, "generation_config.json"), "w") as f:
-      json.dump({"eos_token_id": conf["eos_token_id"], "do_sample": False}, f, indent=2)
+    files.write_json(os.path.join(path, "generation_config.json"),
+                     {"eos_token_id": conf["eos_token_id"], "do_sample": False}, indent=2)
   if tokenizer is not None:
     _write_tokenizer(path, tokenizer, tokenizer.id_to_token(eos[0]) if eos else None)
   return path
@@ -114,6 +114,7 @@ def save_drafter_hf(path: str, params, dcfg, num_target_layers: int, dtype="bflo
   dtype_name = {np.dtype(jnp.bfloat16): "bfloat16", np.dtype(np.float32): "float32",
                 np.dtype(np.float16): "float16"}[dt]
   os.makedirs(path, exist_ok=True)
+  files.remove_stale_temporaries(path)
   t = {"fc.weight": _np(params.fc, dt).T, "hidden_norm.weight": _np(params.hidden_norm, dt),
        "norm.weight": _np(params.final_norm, dt)}
   for i, layer in enumerate(params.layers):
@@ -124,6 +125,5 @@ def save_drafter_hf(path: str, params, dcfg, num_target_layers: int, dtype="bflo
           "block_size": dcfg.block_size,
           "dflash_config": {"mask_token_id": dcfg.mask_token_id,
                             "target_layer_ids": list(dcfg.target_layer_ids)}}
-  with open(os.path.join(path, "config.json"), "w") as f:
-    json.dump(conf, f, indent=2)
+  files.write_json(os.path.join(path, "config.json"), conf, indent=2)
   return path

@@ -269,7 +269,8 @@ def decoder_stack(layers, cfg, x, final_norm, cos, sin, k_cache, v_cache, prefix
   k_cache/v_cache: stacked [L, B, K, S, D] (a KVCache's, read with `layer=i`) or lists of
   per-layer caches [B, K, S, D].
   Returns hidden [B, T, H] after final_norm, new_k/new_v per layer [B, T, K, D], and
-  {layer id: residual output [B, T, H]} for tap_layers."""
+  {layer id: residual output [B, T, H]} for tap_layers: HF's hidden_states[id + 1], so the last
+  layer's tap is the state after final_norm (what DFlash drafters are trained on)."""
   stacked = not isinstance(k_cache, (list, tuple))
   h = rms_norm(x, layers[0].input_norm, cfg.rms_norm_eps)
   new_k, new_v, taps = [], [], {}
@@ -282,7 +283,7 @@ def decoder_stack(layers, cfg, x, final_norm, cos, sin, k_cache, v_cache, prefix
     new_k.append(k)
     new_v.append(v)
     if i in tap_layers:
-      taps[i] = x
+      taps[i] = h if i + 1 == len(layers) else x
   return h, new_k, new_v, taps
 
 
@@ -298,7 +299,8 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, cache: KVCache,
 
   Args:
     tokens, positions: [B, T] int32. new_mask: [B, T, T] bool visibility among the new tokens.
-    tap_layers: layer ids whose residual outputs are returned (HF hidden_states[id + 1]).
+    tap_layers: layer ids whose residual outputs are returned (HF hidden_states[id + 1]: after
+      final_norm for the last layer).
     kernels: the implementations of attention, q/k/v projection + norm + RoPE, residual + norm
       and the embedding lookup (`kernels.Kernels`; plain XLA on one device by default).
   Returns:

@@ -12,7 +12,10 @@ Layers, each of which must fail for anything to escape:
     kill, sockets and name lookups, ctypes (import and dlopen), rlimit changes, frame / gc / trace
     introspection, code-object construction, new audit hooks, symlinks / hard links / device
     nodes, any write, delete, rename, chmod, chdir... outside the temporary directory, reads
-    outside it and the standard library (no access to the repository), and os.open outside it;
+    (open, listdir, and stat / lstat / access, which it replaces by audited versions; readlink
+    and statvfs refused) outside it and the standard library less site-packages (no access to
+    the repository or the installed packages);
+  * a disk quota: the parent kills the child once its temporary directory holds disk_mb;
   * a wall-clock deadline; the process runs in its own session and its whole process group is
     SIGKILLed when it ends (strays included), before it is reaped;
   * when `unshare -n` works (root on Linux), a new network namespace without interfaces; as root,
@@ -62,7 +65,7 @@ def _setup():
         R.setrlimit(R.RLIMIT_NPROC, (1, 1))
     return job
 
-def _install(tmp, read_roots, blocked_events, blocked_imports):
+def _install(tmp, read_roots, deny_roots, blocked_events, blocked_imports):
     _str, _bytes, _int, _type, _tuple = str, bytes, int, type, tuple
     _PermissionError, _any, _len = PermissionError, any, len
     _getcwd = posix.getcwd
@@ -71,6 +74,7 @@ def _install(tmp, read_roots, blocked_events, blocked_imports):
     _blocked_imports = frozenset(blocked_imports)
     _frames = frozenset(("tb_frame", "gi_frame", "cr_frame", "ag_frame", "f_back"))
     _roots = _tuple(read_roots)
+    _deny = _tuple(deny_roots)
     _tmp = tmp
     _split, _join, _decode = _str.split, _str.join, _bytes.decode
     _startswith = _str.startswith
@@ -113,6 +117,9 @@ def _install(tmp, read_roots, blocked_events, blocked_imports):
         p = norm(path, event)
         if under(p, _tmp):
             return
+        for r in _deny:
+            if under(p, r):
+                deny(event, p)
         for r in _roots:
             if under(p, r):
                 return
@@ -135,8 +142,8 @@ def _install(tmp, read_roots, blocked_events, blocked_imports):
             path, mode, flags = args
             if _type(path) is _int:
                 return
-            if mode is None or (flags & _W) or _any(c in mode for c in "wax+"):
-                writable(path, "open for writing / os.open")  # os.open: tmp dir only
+            if (flags & _W) or (mode is not None and _any(c in mode for c in "wax+")):
+                writable(path, "open for writing")
             else:
                 readable(path, "open")
             return
@@ -160,6 +167,43 @@ def _install(tmp, read_roots, blocked_events, blocked_imports):
                     readable(args[i], event)
 
     sys.addaudithook(hook)
+    _guard_metadata()
+
+def _guard_metadata():
+    """stat and friends raise no audit event: replace them by versions that open the path with
+    O_PATH (an audited open, so the read roots apply) and fstat the descriptor. They keep no
+    reference to the originals; readlink and statvfs are refused."""
+    _open, _fstat, _close = posix.open, posix.fstat, posix.close
+    O_PATH, O_NOFOLLOW = getattr(posix, "O_PATH", 0), posix.O_NOFOLLOW
+    _PermissionError = PermissionError
+
+    def stat(path, *, dir_fd=None, follow_symlinks=True):
+        if type(path) is int:
+            return _fstat(path)
+        if dir_fd is not None:
+            raise _PermissionError("sandbox: stat with dir_fd blocked")
+        fd = _open(path, posix.O_RDONLY | O_PATH | (0 if follow_symlinks else O_NOFOLLOW))
+        try:
+            return _fstat(fd)
+        finally:
+            _close(fd)
+
+    def lstat(path, *, dir_fd=None):
+        return stat(path, dir_fd=dir_fd, follow_symlinks=False)
+
+    def access(path, mode, *, dir_fd=None, effective_ids=False, follow_symlinks=True):
+        try:
+            st = stat(path, dir_fd=dir_fd, follow_symlinks=follow_symlinks)
+        except OSError:
+            return False
+        return not (mode & posix.X_OK) or bool(st.st_mode & 0o111)
+
+    def refused(*args, **kwargs):
+        raise _PermissionError("sandbox: readlink / statvfs blocked")
+
+    for mod in (posix, os):
+        mod.stat, mod.lstat, mod.access = stat, lstat, access
+        mod.readlink, mod.statvfs = refused, refused
 
 def _main():
     job = _setup()
@@ -187,7 +231,8 @@ def _main():
     except BaseException as e:
         result["load_error"] = describe(e)
         finish()
-    _install(job["tmp"], job["read_roots"], job["blocked_events"], job["blocked_imports"])
+    _install(job["tmp"], job["read_roots"], job["deny_roots"], job["blocked_events"],
+             job["blocked_imports"])
     ns = {"__name__": "__solution__", "__builtins__": builtins}
     try:
         exec(code, ns)
@@ -228,6 +273,7 @@ BLOCKED_IMPORTS = (
     "ctypes", "_ctypes", "_posixsubprocess", "_testcapi", "_testinternalcapi", "_testbuffer",
     "_testimportmultiple", "_testmultiphase", "_testsinglephase", "_xxsubinterpreters",
     "_xxinterpchannels", "_interpreters", "_interpchannels", "_xxtestfuzz", "_ctypes_test",
+    "posix",  # re-importing posix would bring back the unguarded stat
 )
 
 
@@ -274,14 +320,19 @@ def isolation_prefix(network_namespace: bool = True, drop_privileges: bool = Tru
   return prefix, tuple(layers)
 
 
-def _read_roots() -> list[str]:
-  """Where the child may read besides its temp dir: the standard library of this interpreter
-  (the child runs with -I -S, so sys.path is the stdlib only)."""
+def _read_roots() -> tuple[list[str], list[str]]:
+  """(where the child may read besides its temp dir, what inside those it may not): the
+  standard library of this interpreter (the child runs with -I -S, so sys.path is the stdlib
+  only), less the site-packages of this interpreter and of any venv on top of it."""
+  import site  # pylint: disable=import-outside-toplevel
   import sysconfig  # pylint: disable=import-outside-toplevel
   paths = sysconfig.get_paths()
   roots = {paths["stdlib"], paths["platstdlib"], os.path.dirname(os.__file__)}
   roots |= {os.path.join(r, "lib-dynload") for r in list(roots)}
-  return sorted({os.path.realpath(r) for r in roots if os.path.isdir(r)})
+  deny = {paths["purelib"], paths["platlib"], *site.getsitepackages()}
+  deny |= {os.path.join(r, d) for r in roots for d in ("site-packages", "dist-packages")}
+  real = lambda ps: sorted({os.path.realpath(p) for p in ps if os.path.isdir(p)})
+  return real(roots), real(deny)
 
 
 def _jsonable(x):
@@ -302,18 +353,20 @@ def _classify(err: str) -> str:
 
 def run_tests(code: str, entry: str, cases: Sequence[Sequence[Any]], expected: Sequence[Any], *,
               timeout_s: float = 5.0, memory_mb: int = 512, fsize_mb: int = 16, nofile: int = 64,
-              network_namespace: bool = True, drop_privileges: bool = True,
+              disk_mb: int = 64, network_namespace: bool = True, drop_privileges: bool = True,
               startup_grace_s: float = 2.0) -> SandboxResult:
   """Runs `code` (untrusted), calls `entry(*case)` for each case in the sandbox and compares the
-  returned values with `expected` here (after a JSON round trip: tuples compare as lists)."""
+  returned values with `expected` here (after a JSON round trip: tuples compare as lists).
+  The temporary directory may hold disk_mb in all: past that the child is killed."""
   if len(cases) != len(expected):
     raise ValueError("cases and expected differ in length")
   tmp = os.path.realpath(tempfile.mkdtemp(prefix="ddtree_sandbox_"))
   prefix, layers = isolation_prefix(network_namespace, drop_privileges)
   t0 = time.perf_counter()
   try:
+    read_roots, deny_roots = _read_roots()
     job = {"code": code, "entry": entry, "cases": _jsonable([list(c) for c in cases]),
-           "marker": MARKER, "tmp": tmp, "read_roots": _read_roots(),
+           "marker": MARKER, "tmp": tmp, "read_roots": read_roots, "deny_roots": deny_roots,
            "blocked_events": BLOCKED_EVENTS, "blocked_imports": BLOCKED_IMPORTS,
            "limits": {"cpu_s": max(1, int(-(-timeout_s // 1))),
                       "as_bytes": int(memory_mb) << 20, "fsize_bytes": int(fsize_mb) << 20,
@@ -330,7 +383,10 @@ def run_tests(code: str, entry: str, cases: Sequence[Sequence[Any]], expected: S
       proc = subprocess.Popen(prefix + [sys.executable, "-I", "-S", runner], cwd=tmp, env={},
                               stdin=subprocess.DEVNULL, stdout=out, stderr=err, close_fds=True,
                               start_new_session=True)
-      timed_out = not _wait_unreaped(proc.pid, timeout_s + startup_grace_s)
+      over_quota = lambda: _tree_bytes(tmp) > (int(disk_mb) << 20)
+      ended = _wait_unreaped(proc.pid, timeout_s + startup_grace_s, over_quota)
+      timed_out = ended is None
+      quota_hit = ended == "quota" or over_quota()  # also what a fast child wrote, then left
       try:  # the leader is not reaped yet, so its process group id cannot have been reused
         os.killpg(proc.pid, signal.SIGKILL)
       except (ProcessLookupError, PermissionError):
@@ -342,20 +398,42 @@ def run_tests(code: str, entry: str, cases: Sequence[Sequence[Any]], expected: S
     seconds = time.perf_counter() - t0
   finally:
     shutil.rmtree(tmp, ignore_errors=True)
+  if quota_hit:
+    return SandboxResult(False, "disk quota", f"the temporary directory passed {disk_mb} MB",
+                         [], seconds, rc, ("rlimits", "audit", "quota") + layers, stdout[-4000:],
+                         stderr[-4000:])
   return _verdict(stdout, stderr, rc, timed_out, full, expected, seconds,
-                  ("rlimits", "audit") + layers)
+                  ("rlimits", "audit", "quota") + layers)
 
 
-def _wait_unreaped(pid: int, timeout: float) -> bool:
-  """Waits until `pid` exits WITHOUT reaping it; False on timeout."""
+def _tree_bytes(root: str) -> int:
+  """Bytes of the files under root (what the child wrote)."""
+  total = 0
+  for folder, _, names in os.walk(root):
+    for n in names:
+      try:
+        total += os.lstat(os.path.join(folder, n)).st_size
+      except OSError:
+        pass
+  return total
+
+
+def _wait_unreaped(pid: int, timeout: float, over_quota=None):
+  """Waits until `pid` exits WITHOUT reaping it: "exited", "quota" once over_quota() (checked
+  every ~50 ms) is true, or None on timeout."""
   deadline = time.monotonic() + timeout
-  delay = 0.002
+  delay, next_check = 0.002, 0.0
   while True:
     info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
     if info is not None and info.si_pid:
-      return True
-    if time.monotonic() > deadline:
-      return False
+      return "exited"
+    now = time.monotonic()
+    if over_quota is not None and now >= next_check:
+      if over_quota():
+        return "quota"
+      next_check = now + 0.05
+    if now > deadline:
+      return None
     time.sleep(delay)
     delay = min(delay * 2, 0.05)
 

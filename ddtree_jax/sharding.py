@@ -81,11 +81,13 @@ def make_mesh(shape: dict[str, int] | None = None, devices=None) -> Mesh:
 
 
 def check_mesh(mesh: Mesh) -> Mesh:
-  """Refuses meshes with Explicit/Manual axes: the engine relies on GSPMD (Auto) propagation."""
-  bad = [a for a, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Auto]
-  if bad:
-    raise ValueError(f"mesh axes {bad} are not AxisType.Auto; build it with sharding.make_mesh")
-  return mesh
+  """The mesh with every axis AxisType.Auto (the engine relies on GSPMD propagation): a mesh
+  from jax.make_mesh, whose axes are Explicit by default, is converted, not refused."""
+  if not isinstance(mesh, Mesh):
+    raise TypeError(f"expected a jax.sharding.Mesh, got {type(mesh).__name__}")
+  if all(t == AxisType.Auto for t in mesh.axis_types):
+    return mesh
+  return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
 
 
 def _axis(mesh: Mesh, rules: ShardingRules, field: str, size: int, what: str):

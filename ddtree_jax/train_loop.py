@@ -4,7 +4,6 @@ clipping, orbax checkpoints with exact resume, a progress bar, loss curves."""
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 import sys
@@ -15,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+from ddtree_jax import files
 
 # ---------------------------------------------------------------------------------- optimiser
 
@@ -93,6 +94,8 @@ def train(*, name: str, workdir: str, params, loss_fn: Callable, frozen: Any,
   if tc.keep_best:
     state["best"] = jax.tree.map(jnp.copy, params)
   ckdir = os.path.abspath(os.path.join(workdir, "checkpoints"))
+  if os.path.isdir(ckdir):
+    files.remove_stale_orbax_temporaries(ckdir)
   mngr = ocp.CheckpointManager(ckdir, options=ocp.CheckpointManagerOptions(max_to_keep=2))
   meta = {"total_steps": None, "history": [], "evals": [], "best": None, "train_seconds": 0.0}
   start = 0
@@ -209,14 +212,13 @@ def plot_curve(summary: dict, path: str, title: str):
   ax.grid(alpha=0.3)
   ax.legend()
   fig.tight_layout()
-  fig.savefig(path, dpi=110)
+  files.save_figure(fig, path, dpi=110)
   plt.close(fig)
   return True
 
 
 def write_json(path: str, obj):
-  with open(path, "w") as f:
-    json.dump(obj, f, indent=1)
+  files.write_json(path, obj, indent=1)
 
 
 def batched_eval(fn, batches) -> dict:

@@ -32,6 +32,7 @@ import time
 import numpy as np
 from absl import flags
 
+from ddtree_jax import files as ddfiles
 from experiments import workflow
 
 CSV_FIELDS = ("batch", "method", "budget", "dtype", "attention", "prompt_tokens", "max_new_tokens",
@@ -204,14 +205,14 @@ def _append_jsonl(out_dir, row) -> None:
 def write_outputs(cfg, rows, meta) -> list[str]:
   os.makedirs(cfg.out_dir, exist_ok=True)
   csv_path = os.path.join(cfg.out_dir, "bench.csv")
-  with open(csv_path, "w", newline="") as f:
+  with ddfiles.atomic_write(csv_path, "w", newline="") as f:
     w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
     w.writeheader()
     for r in rows:
       w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in CSV_FIELDS})
   json_path = os.path.join(cfg.out_dir, "bench.json")
-  with open(json_path, "w") as f:
-    json.dump({"meta": meta, "config": cfg.to_dict(), "rows": rows}, f, indent=1, default=str)
+  ddfiles.write_json(json_path, {"meta": meta, "config": cfg.to_dict(), "rows": rows}, indent=1,
+                     default=str)
   try:
     return [csv_path, json_path] + plot(rows, cfg.out_dir, meta)
   except ImportError as e:  # e.g. a GPU machine without matplotlib: redraw with --plot_from
@@ -256,7 +257,7 @@ def plot(rows, out_dir, meta=None) -> list[str]:
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     path = os.path.join(out_dir, fname)
-    fig.savefig(path, dpi=110)
+    ddfiles.save_figure(fig, path, dpi=110)
     plt.close(fig)
     files.append(path)
 
@@ -280,7 +281,7 @@ def plot(rows, out_dir, meta=None) -> list[str]:
   ax.set_title(title, fontsize=9)
   fig.tight_layout()
   path = os.path.join(out_dir, "tau.png")
-  fig.savefig(path, dpi=110)
+  ddfiles.save_figure(fig, path, dpi=110)
   plt.close(fig)
   files.append(path)
 
@@ -301,7 +302,7 @@ def plot(rows, out_dir, meta=None) -> list[str]:
     ax.legend(fontsize=7)
   fig.tight_layout()
   path = os.path.join(out_dir, "acceptance_hist.png")
-  fig.savefig(path, dpi=110)
+  ddfiles.save_figure(fig, path, dpi=110)
   plt.close(fig)
   files.append(path)
   return files

@@ -25,7 +25,7 @@ from typing import Callable
 
 from experiments import workflow
 
-from ddtree_jax import sandbox
+from ddtree_jax import files, sandbox
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,10 +175,9 @@ def run(cfg, mesh=None) -> dict:
   print(f"sandbox layers: {', '.join(isolation)}")
   os.makedirs(cfg.out_dir, exist_ok=True)
   path = os.path.join(cfg.out_dir, "coding_eval.json")
-  with open(path, "w") as f:
-    json.dump({"target": target.path, "drafter": getattr(drafter, "path", None),
-               "config": cfg.to_dict(), "summary": summary, "rows": rows}, f, indent=1,
-              default=str)
+  files.write_json(path, {"target": target.path, "drafter": getattr(drafter, "path", None),
+                          "config": cfg.to_dict(), "summary": summary, "rows": rows}, indent=1,
+                   default=str)
   print(f"wrote {path}")
   return {"rows": rows, "summary": summary, "file": path}
 

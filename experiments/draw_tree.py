@@ -12,6 +12,7 @@ Without a drafter in the config a random one is used (--config.random_drafter=Tr
 import json
 import os
 
+from ddtree_jax import files
 from experiments import workflow
 
 
@@ -37,7 +38,7 @@ def run(cfg, out_path=None) -> dict:
   out_path = out_path or os.path.join(cfg.out_dir, f"tree_B{budget}.png")
   os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
   ax.figure.tight_layout()
-  ax.figure.savefig(out_path, dpi=120)
+  files.save_figure(ax.figure, out_path, dpi=120)
   plt.close(ax.figure)
   info = {"budget": budget, "tau": step["tau"], "bonus": step["bonus"],
           "path": step["path"].tolist(), "emitted": step["emitted"].tolist(), "png": out_path}

@@ -19,7 +19,8 @@ from absl import logging
 import numpy as np
 
 import ddtree_jax as dj
-from ddtree_jax import data
+from ddtree_jax import engine
+from ddtree_jax import data, files
 from ddtree_jax import drafter as drafter_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -79,7 +80,10 @@ def run(target, drafter, prompts, method, budget):
                   "decode_seconds": seconds, "compile_seconds": compile_s}
 
 
+engine.define_compilation_cache_flags()
+
 def main(_):
+  engine.compilation_cache_from_flags()
   logging.set_verbosity(logging.WARNING)
   t0 = time.perf_counter()
   target = dj.load_target(os.path.join(_DIR.value, "target"), dtype=_DTYPE.value)
@@ -126,8 +130,7 @@ def main(_):
              "seconds": time.perf_counter() - t0, "results": results}
   if os.path.dirname(_OUT.value):
     os.makedirs(os.path.dirname(_OUT.value), exist_ok=True)
-  with open(_OUT.value, "w") as f:
-    json.dump(summary, f, indent=1)
+  files.write_json(_OUT.value, summary, indent=1)
   print(json.dumps({k: v for k, v in summary.items() if k not in ("results", "prompt_tokens")}))
   bad = [r for r in results if r["mismatched_prompts"]]
   if bad and _DTYPE.value == "float32":

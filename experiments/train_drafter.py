@@ -24,7 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import ddtree_jax as dj
-from ddtree_jax import checkpoint, data, hf_export, train_loop, training
+from ddtree_jax import engine
+from ddtree_jax import checkpoint, data, files, hf_export, train_loop, training
 from ddtree_jax.config import config_from_hf
 from ddtree_jax.drafter import DrafterConfig, default_target_layer_ids
 
@@ -74,7 +75,7 @@ def regenerate(cfg, target, split_tokens, split, count, seed, budget_s=0.0):
   os.makedirs(os.path.dirname(paths["tokens"]), exist_ok=True)
   out = {"tokens": tokens, "lens": lens, "prompt_lens": plens}
   for k, p in paths.items():
-    np.save(p, out[k])
+    files.save_npy(p, out[k])
   return out
 
 
@@ -96,7 +97,10 @@ def drafter_config(cfg, target, tokenizer) -> DrafterConfig:
                        target_layer_ids=ids)
 
 
+engine.define_compilation_cache_flags()
+
 def main(_):
+  engine.compilation_cache_from_flags()
   logging.set_verbosity(logging.WARNING)
   cfg = _CONFIG.value
   t0 = time.perf_counter()

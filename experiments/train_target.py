@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import ddtree_jax as dj
+from ddtree_jax import engine
 from ddtree_jax import checkpoint, data, hf_export, model, train_loop, training
 from ddtree_jax.config import ModelConfig
 
@@ -49,7 +50,10 @@ def heldout_loss_fn(mcfg, windows, batch_size, compute_dtype):
   return lambda params: train_loop.batched_eval(lambda b: loss(params, batch=b), chunks)
 
 
+engine.define_compilation_cache_flags()
+
 def main(_):
+  engine.compilation_cache_from_flags()
   logging.set_verbosity(logging.WARNING)
   cfg = _CONFIG.value
   t0 = time.perf_counter()

@@ -132,21 +132,28 @@ def define_config(default: str = "configs/default.py", flag: str = "config"):
   """config_flags.DEFINE_config_file, after checking the command line's --config.KEY overrides
   (ml_collections applies them while defining the flag, with a traceback on a typo)."""
   from ml_collections import config_flags  # pylint: disable=import-outside-toplevel
+  from ddtree_jax import engine  # pylint: disable=import-outside-toplevel
   try:
     check_argv(sys.argv, flag, default)
   except ConfigError as e:
     sys.exit(f"error: {e}")
+  engine.define_compilation_cache_flags()
   return config_flags.DEFINE_config_file(flag, default, "run configuration (a configs/*.py file)")
 
 
 def run_app(main) -> None:
-  """absl.app.run(main); ConfigErrors raised by main exit with their message only."""
+  """absl.app.run(main) with the persistent compilation cache on as the flags say; a bad config
+  or request (ConfigError, validation.RequestError, a CheckpointError) exits with its message
+  only, no traceback."""
   from absl import app  # pylint: disable=import-outside-toplevel
+  from ddtree_jax import engine, validation  # pylint: disable=import-outside-toplevel
+  from ddtree_jax.safetensors_io import CheckpointError  # pylint: disable=import-outside-toplevel
 
   def wrapped(argv):
+    engine.compilation_cache_from_flags()
     try:
       return main(argv)
-    except ConfigError as e:
+    except (ConfigError, validation.RequestError, CheckpointError) as e:
       sys.exit(f"error: {e}")
   app.run(wrapped)
 

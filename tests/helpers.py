@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -100,6 +101,23 @@ def oracle_drafter(drafter, ar_prompts, ar_tokens, corruption=0.3, seed=0, lengt
                         for f in dataclasses.fields(DrafterConfig)},
                      corruption=corruption, seed=seed)
   return dataclasses.replace(drafter, params=(drafter.params, jnp.asarray(ref)), config=cfg)
+
+
+def copy_fixture(tmp_path, name="qwen3_gqa"):
+  """A private copy of tests/fixtures/hf/<name> under tmp_path (to edit or break)."""
+  dst = str(tmp_path / name)
+  shutil.copytree(os.path.join(os.path.dirname(__file__), "fixtures", "hf", name), dst)
+  return dst
+
+
+def edit_config(path, **changes):
+  """Updates the config.json of the checkpoint directory `path`."""
+  file = os.path.join(path, "config.json")
+  with open(file) as f:
+    cfg = json.load(f)
+  cfg.update(changes)
+  with open(file, "w") as f:
+    json.dump(cfg, f)
 
 
 def write_target(path, *, heads=8, kv_heads=8, hidden=64, head_dim=16, inter=128, vocab=256,

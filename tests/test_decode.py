@@ -103,17 +103,18 @@ def test_budget_switching_in_one_process(target, drafter, ar):
 
 @pytest.mark.parametrize("method,budget", [("ar", None), ("ddtree", 16)])
 def test_steps_per_check_changes_no_token_and_no_stat(target, drafter, ar, method, budget):
-  """K steps per check of the loop's stop condition (`decode.decode_loop`): K = 4 and K = 64
-  (one group for the whole request) run idle steps after every sequence is done. Tokens,
-  acceptance lengths and step counts equal K = 1's, with and without a stop token."""
+  """K steps per check of the loop's stop condition (`decode.decode_loop`): K = 4 and K =
+  max_new_tokens (the largest allowed: one group for the whole request) run idle steps after
+  every sequence is done. Tokens, acceptance lengths and step counts equal K = 1's, with and
+  without a stop token."""
   idx = _batch(3)
   d = _oracle(drafter, ar, idx, seed=5) if method != "ar" else None
   prompts = [PROMPTS[i] for i in idx]
   for stop in ((), (ar[0][12],)) if method == "ddtree" else ((),):
     runs = [dj.generate(target, prompts, method=method, drafter=d, budget=budget,
                         max_new_tokens=M, stop_token_ids=stop, steps_per_check=k)
-            for k in (1, 4, 64)]
-    assert runs[0].stats["steps"] < 64  # so K = 64 ran idle steps
+            for k in (1, 4, M)]
+    assert runs[0].stats["steps"] < M  # so K = M ran idle steps
     for r in runs[1:]:
       assert r.tokens == runs[0].tokens
       assert r.stats["acceptance_lengths"] == runs[0].stats["acceptance_lengths"]

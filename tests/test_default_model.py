@@ -1,5 +1,5 @@
 """The bundled default pair loads with the real-checkpoint loaders, decodes losslessly, and the
-demo (`make demo` = experiments/generate.py) runs end to end on it."""
+demo (`make demo` = python -m experiments.generate) runs end to end on it."""
 
 import json
 import os
@@ -27,10 +27,9 @@ def test_default_pair_is_shipped_and_lossless():
 
 def test_demo_runs_and_ends_with_json():
   out = subprocess.run(
-      [sys.executable, "experiments/generate.py", "--config=configs/default.py",
+      [sys.executable, "-m", "experiments.generate", "--config=configs/default.py",
        "--config.max_new_tokens=8", "--config.budgets=8"],
-      cwd=REPO, capture_output=True, text=True, timeout=600,
-      env={**os.environ, "PYTHONPATH": REPO})
+      cwd=REPO, capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-2000:]
   last = json.loads(out.stdout.strip().splitlines()[-1])
   methods = {(r["method"], r["budget"]) for r in last["results"]}

@@ -82,6 +82,25 @@ def test_draft_logits_match_float64_numpy(pair, length):
   np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
 
 
+def test_last_layer_tap_matches_the_reference_features(tmp_path):
+  """A drafter tapping the target's last layer reads HF's hidden_states[L] (after the final norm,
+  as the reference DFlash code does): our draft logits equal the float64 drafter fed HF's own
+  hidden states."""
+  target_dir = os.path.join(FIXTURES, "qwen3_gqa")
+  target = dj.load_target(target_dir, dtype="float32")
+  ref = np.load(os.path.join(target_dir, "reference.npz"))
+  last = target.config.num_layers - 1
+  path = write_drafter(str(tmp_path), target.config, num_layers=2, block_size=6, mask_token_id=7,
+                       target_layer_ids=(0, last))
+  drafter = dj.load_drafter(path, target)
+  prompt = [int(t) for t in ref["input_ids"][0]]
+  taps = np.concatenate([ref["hidden_states"][i + 1][0] for i in (0, last)], -1)
+  bonus = int(np.argmax(ref["logits"][0, -1]))
+  want = _np_drafter(path, target_dir, np.asarray(taps, np.float64), bonus, drafter.config.layers)
+  got = np.asarray(dj.draft_logits(target, drafter, prompt))
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
 def test_incremental_context_equals_from_scratch(pair):
   """Context committed in pieces (as decoding does) drafts exactly like context built at once."""
   target, drafter, _ = pair

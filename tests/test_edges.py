@@ -1,9 +1,7 @@
 """Edges: exact cache capacity, stop tokens inside the accepted path, canary rows, bad input."""
 
 import dataclasses
-import json
 import os
-import shutil
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +13,7 @@ import ddtree_jax as dj
 from ddtree_jax import decode
 from ddtree_jax.checkpoint import read_checkpoint_tensors
 from conftest import FIXTURES
-from helpers import oracle_drafter, write_drafter
+from helpers import copy_fixture, edit_config, oracle_drafter, write_drafter
 
 PROMPTS = [[3, 17, 99, 4, 250, 31, 8], [42], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11, 12, 13]]
 M = 24
@@ -102,21 +100,6 @@ def test_nothing_written_outside_own_rows(target, drafter, ar, method, budget, s
 # ---------------------------------------------------------------- bad input
 
 
-def _copy_fixture(tmp_path, name="qwen3_gqa"):
-  dst = str(tmp_path / name)
-  shutil.copytree(os.path.join(FIXTURES, name), dst)
-  return dst
-
-
-def _edit_config(path, **changes):
-  cfg_file = os.path.join(path, "config.json")
-  with open(cfg_file) as f:
-    cfg = json.load(f)
-  cfg.update(changes)
-  with open(cfg_file, "w") as f:
-    json.dump(cfg, f)
-
-
 @pytest.mark.parametrize("changes,match", [
     (dict(model_type="mistral"), "unsupported model_type"),
     (dict(attention_bias=True), "attention_bias"),
@@ -125,18 +108,18 @@ def _edit_config(path, **changes):
     (dict(hidden_act="gelu"), "hidden_act"),
 ])
 def test_unsupported_config_is_refused(tmp_path, changes, match):
-  path = _copy_fixture(tmp_path)
-  _edit_config(path, **changes)
+  path = copy_fixture(tmp_path)
+  edit_config(path, **changes)
   with pytest.raises(ValueError, match=match):
     dj.load_target(path)
 
 
 def test_missing_and_misshaped_tensors_are_named(tmp_path):
-  path = _copy_fixture(tmp_path)
+  path = copy_fixture(tmp_path)
   tensors = {k: np.array(v) for k, v in read_checkpoint_tensors(path).items()}
   name = "model.layers.1.self_attn.k_proj.weight"
   save_file({k: v for k, v in tensors.items() if k != name}, os.path.join(path, "model.safetensors"))
-  with pytest.raises(KeyError, match=name):
+  with pytest.raises(ValueError, match=f"missing tensors.*{name}"):
     dj.load_target(path)
   tensors[name] = np.zeros((3, 64), np.float32)
   save_file(tensors, os.path.join(path, "model.safetensors"))
@@ -145,7 +128,7 @@ def test_missing_and_misshaped_tensors_are_named(tmp_path):
 
 
 def test_no_safetensors_is_refused(tmp_path):
-  path = _copy_fixture(tmp_path)
+  path = copy_fixture(tmp_path)
   os.remove(os.path.join(path, "model.safetensors"))
   with pytest.raises(FileNotFoundError, match="safetensors"):
     dj.load_target(path)
@@ -173,7 +156,7 @@ def test_bad_requests_raise_before_compute(target, kwargs, match):
 
 @pytest.mark.parametrize("budget", [0, -3, 5000, None])
 def test_bad_budget_names_the_limit(target, drafter, budget):
-  with pytest.raises(ValueError, match=r"budget must be in \[1, 1024\]"):
+  with pytest.raises(ValueError, match=r"budget.* in \[1, 1024\]"):
     dj.generate(target, [[1, 2]], method="ddtree", drafter=drafter, budget=budget, max_new_tokens=4)
 
 

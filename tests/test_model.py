@@ -31,7 +31,9 @@ def test_forward_logits_match_hf(name):
 
 
 @pytest.mark.parametrize("name", ["qwen3_gqa", "llama3_scaled"])
-def test_taps_are_residual_layer_outputs(name):
+def test_taps_are_hf_hidden_states(name):
+  """Tap i is HF's hidden_states[i + 1]: the residual output of layer i, and for the last layer
+  the state after the final norm (what DFlash drafters read)."""
   target, ref = _load(name)
   ids = jnp.asarray(ref["input_ids"])
   b, t = ids.shape
@@ -42,8 +44,11 @@ def test_taps_are_residual_layer_outputs(name):
   _, _, _, taps = model.forward(target.params, target.config, ids, pos, cache,
                                 model.causal_mask(jnp.full((b,), t), t), layers)
   h = target.config.hidden_size
+  assert bool(ref["hidden_states_last_is_post_norm"])
   for i in layers:
-    _close(taps[..., i * h:(i + 1) * h], ref["layer_outputs"][i])
+    _close(taps[..., i * h:(i + 1) * h], ref["hidden_states"][i + 1])
+  last = layers[-1]
+  assert not np.allclose(taps[..., last * h:], ref["layer_outputs"][last], atol=1e-3)
 
 
 @pytest.mark.parametrize("name", MODELS)

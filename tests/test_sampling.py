@@ -12,7 +12,7 @@ import ddtree_jax as dj
 from ddtree_jax import engine, model, verify
 from ddtree_jax.checkpoint import Target
 from ddtree_jax.config import ModelConfig
-from helpers import write_drafter
+from helpers import oracle_drafter, write_drafter
 
 V = 4
 PROMPT = [1, 3, 2]
@@ -115,3 +115,75 @@ def test_same_seed_same_output_and_greedy_limits(pair):
   greedy = dj.generate(target, prompts, max_new_tokens=12, stop_token_ids=()).tokens
   assert run(temperature=0.0).tokens == greedy
   assert run(temperature=1.0, top_k=1).tokens == greedy  # the sampling path with one choice
+
+
+# ---------------------------------------------------------------- three tokens, multi-token steps
+
+N3 = 24000
+T3 = 0.4  # peaked enough that the greedy drafts are accepted two and three at a time
+
+
+def exact_joint3(target, temperature):
+  """p(x1, x2, x3) [V, V, V] of the target's own sampling after PROMPT."""
+  probs = lambda seqs: np.asarray(jax.nn.softmax(verify.filter_logits(
+      dj.forward_logits(target, seqs)[:, -1], temperature), axis=-1), np.float64)
+  p1 = probs([PROMPT])[0]
+  p2 = probs([PROMPT + [a] for a in range(V)])                      # [V, V]
+  p3 = probs([PROMPT + [a, b] for a in range(V) for b in range(V)]).reshape(V, V, V)
+  return p1[:, None, None] * p2[:, :, None] * p3
+
+
+@pytest.fixture(scope="module")
+def greedy_oracle(pair):
+  """A drafter whose drafts are the target's greedy continuation of PROMPT (rows that sampled
+  off it still draft it: any drafter is allowed, only acceptance changes)."""
+  target, drafter = pair
+  ar = dj.generate(target, [PROMPT], max_new_tokens=8, stop_token_ids=()).tokens
+  return oracle_drafter(drafter, [PROMPT] * N3, ar * N3, corruption=0.0)
+
+
+def empirical_joint3(target, drafter, method, budget, temperature, seed=0):
+  res = dj.generate(target, [PROMPT] * N3, method=method, drafter=drafter, budget=budget,
+                    max_new_tokens=3, temperature=temperature, seed=seed, stop_token_ids=())
+  toks = np.asarray(res.tokens)
+  counts = np.zeros((V, V, V))
+  np.add.at(counts, (toks[:, 0], toks[:, 1], toks[:, 2]), 1)
+  lengths = [a for seq in res.stats["acceptance_lengths"] for a in seq]
+  return counts, np.mean(np.asarray(lengths) >= 2)
+
+
+@pytest.mark.parametrize("method,budget", [("chain", None), ("ddtree", 4), ("ddtree", 20)])
+def test_three_token_sampling_with_multi_token_steps(pair, greedy_oracle, method, budget):
+  """The joint law of the first three tokens equals the target's when most steps commit two or
+  more tokens at once (chain with greedy drafts; DDTree B=20 covers depths 1-2 entirely)."""
+  target, _ = pair
+  counts, multi = empirical_joint3(target, greedy_oracle, method, budget, T3)
+  assert multi > 0.5, f"only {multi:.0%} of steps accepted 2+ tokens: the test needs more"
+  tv, pvalue = check(counts, exact_joint3(target, T3))
+  assert tv < 0.02 and pvalue > 1e-3, (tv, pvalue)
+
+
+def test_biased_rule_is_caught_over_three_tokens(pair, greedy_oracle, monkeypatch):
+  """Proof the three-token test can fail: accept the drafted child of every node 20% of the
+  time even when the target's sample there disagrees."""
+  target, _ = pair
+  real_accept = verify.accept
+
+  def biased(tokens, parents, depths, visibility, post, max_depth):
+    u = jax.random.uniform(jax.random.key(11), post.shape)
+    first_child = jnp.argmax(parents[:, None, :] == jnp.arange(post.shape[1])[None, :, None],
+                             axis=-1)  # [B, N]: the first node whose parent is n (0 if none)
+    forced = jnp.take_along_axis(tokens, first_child, axis=1)
+    return real_accept(tokens, parents, depths, visibility,
+                       jnp.where((u < 0.2) & (first_child > 0), forced, post), max_depth)
+
+  engine._PROGRAMS.clear()
+  jax.clear_caches()
+  monkeypatch.setattr(verify, "accept", biased)
+  try:
+    counts, _ = empirical_joint3(target, greedy_oracle, "chain", None, T3)
+  finally:
+    engine._PROGRAMS.clear()
+    jax.clear_caches()
+  tv, pvalue = check(counts, exact_joint3(target, T3))
+  assert tv > 0.02 or pvalue < 1e-3

@@ -293,8 +293,10 @@ def test_mesh_helpers_and_flags(monkeypatch):
   with pytest.raises(ValueError, match="needs 16 devices"):
     sharding.make_mesh({"dp": 2, "tp": 8})
   explicit = jax.make_mesh((8,), ("tp",), axis_types=(jax.sharding.AxisType.Explicit,))
-  with pytest.raises(ValueError, match="AxisType.Auto"):
-    sharding.check_mesh(explicit)
+  auto = sharding.check_mesh(explicit)  # jax.make_mesh's Explicit axes become Auto
+  assert set(auto.axis_types) == {jax.sharding.AxisType.Auto}
+  assert auto.axis_names == ("tp",) and (auto.devices == explicit.devices).all()
+  assert sharding.check_mesh(auto) is auto
   calls = []
   monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
   sharding.initialize_distributed("localhost:1234", 1, 0)

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 
 from ddtree_jax.attention import attend_xla
 from ddtree_jax.pallas import attention_config, tree_attention
+from ddtree_jax import engine
 from experiments.perf import harness
 
 warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
@@ -87,7 +88,10 @@ def fmt(x, spec):
   return format(x, spec)
 
 
+engine.define_compilation_cache_flags()
+
 def main(_):
+  engine.compilation_cache_from_flags()
   args = harness.settings(FLAGS, SMOKE)
   impls = args.impls.split(",")
   interpret = jax.default_backend() == "cpu"

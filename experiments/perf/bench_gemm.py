@@ -37,7 +37,7 @@ from absl import app, flags
 import jax
 import jax.numpy as jnp
 
-from ddtree_jax import model
+from ddtree_jax import engine, model
 from experiments.perf import harness
 from experiments.perf.skinny_gemm import (layer_config, layer_step, model_layer_step,
                                           pallas_layer_step, skinny_matmul, sweep_configs)
@@ -237,7 +237,10 @@ def formats(args, keys):
   return rows
 
 
+engine.define_compilation_cache_flags()
+
 def main(_):
+  engine.compilation_cache_from_flags()
   args = parse_settings()
   d, f, dh = args.hidden, args.intermediate, 128 if args.hidden >= 1024 else 16
   nq, nkv = d // dh, (args.qkv - d) // (2 * dh)

@@ -20,7 +20,7 @@ from absl import app, flags
 import jax
 import jax.numpy as jnp
 
-from ddtree_jax import model
+from ddtree_jax import engine, model
 from ddtree_jax.kernels import KernelTuning
 from ddtree_jax.pallas import add_rms_norm as arn
 from experiments.perf import harness
@@ -37,7 +37,10 @@ FLAGS = flags.FLAGS
 SMOKE = dict(hidden=64, copies=2, sites="o:64,down:128", rows="1,5", splits="1,2")
 
 
+engine.define_compilation_cache_flags()
+
 def main(_):
+  engine.compilation_cache_from_flags()
   args = harness.settings(FLAGS, SMOKE)
   h, trips = args.hidden, 2 if args.smoke else 100
   rows, splits = harness.ints(args.rows), harness.ints(args.splits)

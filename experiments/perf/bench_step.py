@@ -28,7 +28,7 @@ from absl import app, flags
 import jax
 import numpy as np
 
-from ddtree_jax import decode, model, profiling, sharding
+from ddtree_jax import decode, engine, model, profiling, sharding
 from ddtree_jax.kernels import Kernels
 from experiments.perf import harness
 
@@ -81,7 +81,13 @@ def parse_runs(text):
   return [("chain", 0) if x == "chain" else ("ddtree", int(x)) for x in text.split(",") if x]
 
 
+engine.define_compilation_cache_flags()
+
 def main(_):
+  if "compile" in FLAGS.sections.split(","):  # it times compiles: a warm cache would hide them
+    print("--sections=compile: the persistent compilation cache stays off", flush=True)
+  else:
+    engine.compilation_cache_from_flags()
   small = FLAGS.small
   sections = FLAGS.sections.split(",")
   tcfg = harness.target_config(small)

@@ -30,7 +30,7 @@ from absl import app, flags
 import jax
 from jax.experimental.topologies import get_topology_desc
 
-from ddtree_jax import decode, model, profiling, sharding
+from ddtree_jax import decode, engine, model, profiling, sharding
 from ddtree_jax import drafter as drafter_lib
 from ddtree_jax.kernels import Kernels, KernelTuning
 from experiments.perf import harness
@@ -67,7 +67,10 @@ def lowering_context():
       AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=dev))
 
 
+engine.define_compilation_cache_flags(default=False)  # compile times are what it measures
+
 def main(_):
+  engine.compilation_cache_from_flags()
   if FLAGS.triton:
     if FLAGS.tp > 1:
       raise app.UsageError("--triton lowers for one abstract H200: use --tp=1")

@@ -33,7 +33,7 @@ import tempfile  # pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import app, flags
 import jax
 
-from ddtree_jax import decode, sharding
+from ddtree_jax import decode, engine, sharding
 from ddtree_jax.kernels import Kernels
 from experiments.perf import harness
 from experiments.perf.trace import (KINDS, kernel_events, op_stages, print_memcpys, read_trace,
@@ -67,7 +67,10 @@ flags.DEFINE_string("residual", "",
 sharding.define_mesh_flags()
 FLAGS = flags.FLAGS
 
+engine.define_compilation_cache_flags()
+
 def main(_):
+  engine.compilation_cache_from_flags()
   small = FLAGS.small
   try:
     tuning = harness.tuning_overrides(FLAGS.tree_attention, FLAGS.qkv_splits, FLAGS.residual)

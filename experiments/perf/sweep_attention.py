@@ -24,6 +24,7 @@ import jax
 from jax import lax
 
 from ddtree_jax.pallas import attention_config, tree_attention
+from ddtree_jax import engine
 from experiments.perf import harness
 
 flags.DEFINE_string("prefixes", "1024,8192", "prefix lengths")
@@ -45,7 +46,10 @@ SMOKE = dict(prefixes="64", tokens="4,9", batches="1", block_rows="16", splits="
              round_ms=1.0, rounds=1)
 
 
+engine.define_compilation_cache_flags()
+
 def main(_):
+  engine.compilation_cache_from_flags()
   args = harness.settings(FLAGS, SMOKE)
   block_rows, splits, block_ks = (harness.ints(x) for x in (args.block_rows, args.splits,
                                                              args.block_ks))
