@@ -17,6 +17,8 @@ def get_config(preset: str = "gpu"):
 
   c.data = ml_collections.ConfigDict()
   c.data.stdlib_root = ""              # "" = sysconfig.get_paths()["stdlib"] of this interpreter
+  c.data.packages = "deps"             # installed packages' sources too: comma list of import
+                                       # names, "deps" = the project's (data.DEPENDENCIES)
   c.data.heldout_fraction = 0.02       # by sha256 of the relative path (ddtree_jax/data.py)
   c.data.max_files = 0                 # > 0: only the first N files per split (smoke)
   c.data.vocab_size = 4096             # byte-level BPE, ids 0/1 = <|endoftext|>/<|mask|>
@@ -37,7 +39,7 @@ def get_config(preset: str = "gpu"):
   c.train = ml_collections.ConfigDict()
   c.train.batch_size = 64
   c.train.num_steps = 2500             # cap; time_budget_s may cut it (the cut is recorded)
-  c.train.time_budget_s = 160.0        # 0 = run num_steps (wall clock incl. compile)
+  c.train.time_budget_s = 150.0        # 0 = run num_steps (wall clock incl. compile)
   c.train.calib_steps = 20
   c.train.lr = 1.5e-3
   c.train.warmup_fraction = 0.04
@@ -61,6 +63,7 @@ def get_config(preset: str = "gpu"):
   if preset == "smoke":
     c.workdir = "/tmp/ddtree_smoke"
     c.data.max_files = 8
+    c.data.packages = ""
     c.data.vocab_size = 512
     c.model.update(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                    intermediate_size=128, seq_len=64)

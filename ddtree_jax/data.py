@@ -1,10 +1,13 @@
-"""Training data for the bundled default model: the running interpreter's standard library.
+"""Training data for the bundled default model: the running interpreter's standard library plus
+the installed sources of the project's own dependencies (DEPENDENCIES).
 
-Files: every `*.py` under `sysconfig.get_paths()["stdlib"]`, minus tests, GUI/demo code, vendored
-packages and generated data tables (EXCLUDE_* below), read as UTF-8 (files that are not are
-skipped). Split: a file is held out when the first 8 hex digits of sha256(relative posix path),
-read as a fraction of 2**32, fall below `heldout_fraction` (default 2%). The split depends on the
-path alone, so it is the same on every machine and Python version that has the file.
+Files: every `*.py` under `sysconfig.get_paths()["stdlib"]` (relative paths as they are), and
+under each dependency's package directory (as `site-packages/<name>/...`), minus tests, GUI/demo
+code, vendored packages and generated files (EXCLUDE_* below), read as UTF-8 (files that are not
+are skipped). Split: a file is held out when the first 8 hex digits of sha256(relative posix
+path), read as a fraction of 2**32, fall below `heldout_fraction` (default 2%). The split depends
+on the path alone, so it is the same on every machine that has the file, and a stdlib file is
+held out whatever dependencies are added.
 
 Batches are pure functions of (seed, step): a resumed run sees exactly the data it would have.
 """
@@ -25,7 +28,11 @@ EXCLUDE_DIRS = frozenset({
     "dist-packages", "ensurepip", "encodings", "pydoc_data", "__pycache__", "lib-dynload",
     "__phello__"})
 EXCLUDE_PREFIXES = ("config-", "_sysconfigdata")   # build configuration, generated
+EXCLUDE_SUFFIXES = ("_gen.py", "_pb2.py")           # generated bindings (MLIR ops, protobufs)
 EXCLUDE_FILES = frozenset({"html/entities.py"})     # a 75 KB table of character names
+# The project's runtime dependencies with Python sources (import names, pyproject's order).
+DEPENDENCIES = ("jax", "jaxlib", "ml_dtypes", "orbax", "numpy", "absl", "ml_collections", "optax",
+                "tokenizers", "tqdm", "matplotlib")
 
 EOS = "<|endoftext|>"
 MASK = "<|mask|>"
@@ -35,8 +42,34 @@ def stdlib_root() -> str:
   return sysconfig.get_paths()["stdlib"]
 
 
-def list_files(root: str | None = None) -> list[str]:
-  """Sorted relative posix paths of the corpus files under `root` (default: the stdlib)."""
+def package_dir(name: str) -> str:
+  """The installed directory of package `name` (a ValueError naming it when absent)."""
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  spec = importlib.util.find_spec(name)
+  if spec is None or not spec.submodule_search_locations:
+    raise ValueError(f"corpus package {name!r} is not installed (or not a package)")
+  return list(spec.submodule_search_locations)[0]
+
+
+def sources(root: str | None = None, packages=()) -> list[tuple[str, str]]:
+  """(path prefix, directory) of each part of the corpus: the stdlib (or `root`), then each of
+  `packages` under "site-packages/<name>/"."""
+  return [("", root or stdlib_root())] + [(f"site-packages/{p}/", package_dir(p))
+                                          for p in packages]
+
+
+def resolve_packages(packages) -> list[str]:
+  """A comma list (or sequence) of import names; "deps" stands for DEPENDENCIES."""
+  names = packages.split(",") if isinstance(packages, str) else list(packages)
+  out = []
+  for n in (n.strip() for n in names):
+    out += list(DEPENDENCIES) if n == "deps" else [n] if n else []
+  return out
+
+
+def list_files(root: str | None = None, prefix: str = "") -> list[str]:
+  """Sorted relative posix paths (each with `prefix`) of the corpus files under `root` (default:
+  the stdlib)."""
   root = root or stdlib_root()
   out = []
   for dirpath, dirnames, filenames in os.walk(root):
@@ -45,8 +78,9 @@ def list_files(root: str | None = None) -> list[str]:
                    if d not in EXCLUDE_DIRS and not d.startswith(EXCLUDE_PREFIXES)]
     for name in filenames:
       rel = name if rel_dir == "." else f"{rel_dir}/{name}".replace(os.sep, "/")
-      if name.endswith(".py") and not name.startswith(EXCLUDE_PREFIXES) and rel not in EXCLUDE_FILES:
-        out.append(rel)
+      if (name.endswith(".py") and not name.startswith(EXCLUDE_PREFIXES)
+          and not name.endswith(EXCLUDE_SUFFIXES) and rel not in EXCLUDE_FILES):
+        out.append(prefix + rel)
   return sorted(out)
 
 
@@ -57,22 +91,25 @@ def split_of(rel_path: str, heldout_fraction: float = 0.02) -> str:
 
 
 def read_split(split: str, root: str | None = None, heldout_fraction: float = 0.02,
-               max_files: int = 0) -> list[tuple[str, str]]:
-  """[(relative path, text)] of one split, in path order (first `max_files` when > 0)."""
-  root = root or stdlib_root()
+               max_files: int = 0, packages=()) -> list[tuple[str, str]]:
+  """[(relative path, text)] of one split, in path order per source (the stdlib, then each
+  package; the first `max_files` of each when > 0)."""
   docs = []
-  for rel in list_files(root):
-    if split_of(rel, heldout_fraction) != split:
-      continue
-    try:
-      with open(os.path.join(root, rel), encoding="utf-8") as f:
-        text = f.read()
-    except (UnicodeDecodeError, OSError):
-      continue
-    if text.strip():
-      docs.append((rel, text))
-    if max_files and len(docs) >= max_files:
-      break
+  for prefix, directory in sources(root, packages):
+    part = []
+    for rel in list_files(directory, prefix):
+      if split_of(rel, heldout_fraction) != split:
+        continue
+      try:
+        with open(os.path.join(directory, rel[len(prefix):]), encoding="utf-8") as f:
+          text = f.read()
+      except (UnicodeDecodeError, OSError):
+        continue
+      if text.strip():
+        part.append((rel, text))
+      if max_files and len(part) >= max_files:
+        break
+    docs += part
   return docs
 
 
@@ -178,15 +215,18 @@ def drafter_batch(tokens: np.ndarray, lens: np.ndarray, prompt_lens: np.ndarray,
 
 
 def prepare_corpus(workdir: str, vocab_size: int, heldout_fraction: float = 0.02,
-                   max_files: int = 0, root: str = ""):
+                   max_files: int = 0, root: str = "", packages=()):
   """Tokenizer + token streams, cached under `workdir`: tokenizer.json, data/{train,heldout}.npy
-  and data/corpus.json (settings, file lists, sizes). Returns (tokenizer, train, heldout); a cache
-  made with other settings is refused rather than reused."""
+  (uint16 when the vocabulary fits) and data/corpus.json (settings, package versions, file
+  lists, sizes). Returns (tokenizer, train, heldout) as int32 streams; a cache made with other
+  settings is refused rather than reused."""
+  import importlib.metadata  # pylint: disable=import-outside-toplevel
   import json  # pylint: disable=import-outside-toplevel
   from tokenizers import Tokenizer  # pylint: disable=import-outside-toplevel
   root = root or stdlib_root()
+  packages = resolve_packages(packages)
   settings = {"vocab_size": vocab_size, "heldout_fraction": heldout_fraction,
-              "max_files": max_files}
+              "max_files": max_files, "packages": packages}
   tok_path = os.path.join(workdir, "tokenizer.json")
   ddir = os.path.join(workdir, "data")
   info_path = os.path.join(ddir, "corpus.json")
@@ -196,11 +236,11 @@ def prepare_corpus(workdir: str, vocab_size: int, heldout_fraction: float = 0.02
     if info["settings"] != settings:
       raise ValueError(f"{info_path} was made with {info['settings']}, not {settings}: "
                        "use another workdir or delete it")
-    return (Tokenizer.from_file(tok_path), np.load(os.path.join(ddir, "train.npy")),
-            np.load(os.path.join(ddir, "heldout.npy")))
+    load = lambda name: np.load(os.path.join(ddir, f"{name}.npy")).astype(np.int32)
+    return Tokenizer.from_file(tok_path), load("train"), load("heldout")
   os.makedirs(ddir, exist_ok=True)
-  train = read_split("train", root, heldout_fraction, max_files)
-  heldout = read_split("heldout", root, heldout_fraction, max_files)
+  train = read_split("train", root, heldout_fraction, max_files, packages)
+  heldout = read_split("heldout", root, heldout_fraction, max_files, packages)
   if not train or not heldout:
     raise ValueError(f"no {'train' if not train else 'held-out'} files under {root}")
   tok = train_tokenizer([t for _, t in train], vocab_size)
@@ -208,8 +248,13 @@ def prepare_corpus(workdir: str, vocab_size: int, heldout_fraction: float = 0.02
   streams = {}
   for name, docs in (("train", train), ("heldout", heldout)):
     streams[name] = encode_documents(tok, [t for _, t in docs])
-    files.save_npy(os.path.join(ddir, f"{name}.npy"), streams[name])
-  info = {"settings": settings, "root": root, "tokenizer_vocab": tok.get_vocab_size(),
+    small = streams[name].astype(np.uint16) if vocab_size <= 1 << 16 else streams[name]
+    files.save_npy(os.path.join(ddir, f"{name}.npy"), small)
+  dists = importlib.metadata.packages_distributions()
+  versions = {p: importlib.metadata.version(dists[p][0]) if p in dists else "unknown"
+              for p in packages}
+  info = {"settings": settings, "root": root, "package_versions": versions,
+          "tokenizer_vocab": tok.get_vocab_size(),
           "train_files": [r for r, _ in train], "heldout_files": [r for r, _ in heldout],
           "train_bytes": sum(len(t.encode()) for _, t in train),
           "heldout_bytes": sum(len(t.encode()) for _, t in heldout),

@@ -76,7 +76,7 @@ def init_drafter_params(dcfg: drafter_lib.DrafterConfig, key, std: float = 0.02,
   h = lc.hidden_size
   fc = std * jax.random.normal(k_fc, (len(dcfg.target_layer_ids) * h, h), jnp.float32)
   final = (jnp.ones((h,), jnp.float32) if final_norm is None
-           else jnp.asarray(final_norm, jnp.float32).reshape(h))
+           else jnp.array(final_norm, jnp.float32).reshape(h))  # a copy: the state is donated
   return drafter_lib.DrafterParams(fc=fc, hidden_norm=jnp.ones((h,), jnp.float32), layers=layers,
                                    final_norm=final)
 

@@ -19,9 +19,9 @@ from absl import logging
 import numpy as np
 
 import ddtree_jax as dj
-from ddtree_jax import engine
-from ddtree_jax import data, files
+from ddtree_jax import data, engine, files
 from ddtree_jax import drafter as drafter_lib
+from experiments import quality as quality_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _DIR = flags.DEFINE_string("model_dir", os.path.join(REPO, "ddtree_jax", "default_model"),
@@ -40,6 +40,12 @@ _INT8 = flags.DEFINE_bool("drafter_int8", False, "int8 (W8A8) drafter (drafter.q
 _VOCAB = flags.DEFINE_integer("draft_vocab_frequent", 0, "draft over the N most frequent tokens "
                               "of the train split only (drafter.restrict_vocab); 0 = all")
 _SHOW = flags.DEFINE_integer("show", 1, "print this many prompts with their continuation")
+_PPL = flags.DEFINE_bool("perplexity", True, "held-out perplexity and bits per byte")
+_SIGS = flags.DEFINE_integer("signatures", 100, "held-out function signatures whose greedy body "
+                             "must parse (0 = skip)")
+_PACKAGES = flags.DEFINE_string("packages", "deps", "held-out files of these packages' sources "
+                                "too (comma list, 'deps' = data.DEPENDENCIES; '' = stdlib only)")
+_SPEED = flags.DEFINE_bool("decode", True, "AR / chain / DDTree decoding (tau, tok/s)")
 
 
 def heldout_prompts(tokenizer, n, lo, hi, seed):
@@ -82,10 +88,13 @@ def run(target, drafter, prompts, method, budget):
 
 engine.define_compilation_cache_flags()
 
+
 def main(_):
   engine.compilation_cache_from_flags()
   logging.set_verbosity(logging.WARNING)
   t0 = time.perf_counter()
+  if os.path.dirname(_OUT.value):
+    os.makedirs(os.path.dirname(_OUT.value), exist_ok=True)
   target = dj.load_target(os.path.join(_DIR.value, "target"), dtype=_DTYPE.value)
   tok = target.tokenizer
   vocab = None
@@ -96,6 +105,30 @@ def main(_):
           f"{np.isin(train, vocab).mean():.1%} of the {len(train)} train-split tokens")
   drafter = dj.load_drafter(os.path.join(_DIR.value, "drafter"), target, int8=_INT8.value,
                             draft_vocab=vocab)
+  quality = {}
+  stdlib_docs = [t for _, t in data.read_split("heldout")]
+  packages = data.resolve_packages(_PACKAGES.value)
+  dep_docs = [t for _, t in data.read_split("heldout", packages=packages)][len(stdlib_docs):]
+  if _PPL.value:
+    quality["perplexity_stdlib"] = quality_lib.perplexity(target, stdlib_docs)
+    if dep_docs:
+      quality["perplexity_packages"] = quality_lib.perplexity(target, dep_docs)
+    for k in ("perplexity_stdlib", "perplexity_packages"):
+      if k in quality:
+        print(f"{k}: ppl {quality[k]['ppl']:.3f} over {quality[k]['tokens']} tokens, "
+              f"{quality[k]['bits_per_byte']:.4f} bits/byte", flush=True)
+  if _SIGS.value:
+    quality["signatures"] = quality_lib.parse_rate(target, stdlib_docs + dep_docs, _SIGS.value,
+                                                   seed=_SEED.value)
+    q = quality["signatures"]
+    print(f"signatures: {q['parsed']} of {q['n']} greedy bodies parse ({q['rate']:.0%})",
+          flush=True)
+    for ex in q["examples"][:_SHOW.value]:
+      print(f"--- {'parses' if ex['parses'] else 'does not parse'}\n{ex['signature']}{ex['body']}"
+            "---")
+  if not _SPEED.value:
+    files.write_json(_OUT.value, {"model_dir": _DIR.value, "quality": quality}, indent=1)
+    return
   prompts = heldout_prompts(tok, _N.value, _PMIN.value, _PMAX.value, _SEED.value)
   runs = [("ar", None), ("chain", None)] + [("ddtree", int(b)) for b in _BUDGETS.value.split(",")
                                             if b.strip()]
@@ -127,11 +160,10 @@ def main(_):
              "batch_size": _BATCH.value, "attention": _ATTN.value or "default",
              "drafter_int8": _INT8.value, "draft_vocab": _VOCAB.value or None,
              "chain_tau": chain, "ddtree32_over_chain_tau": (b32 / chain) if b32 and chain else None,
-             "seconds": time.perf_counter() - t0, "results": results}
-  if os.path.dirname(_OUT.value):
-    os.makedirs(os.path.dirname(_OUT.value), exist_ok=True)
+             "seconds": time.perf_counter() - t0, "quality": quality, "results": results}
   files.write_json(_OUT.value, summary, indent=1)
-  print(json.dumps({k: v for k, v in summary.items() if k not in ("results", "prompt_tokens")}))
+  print(json.dumps({k: v for k, v in summary.items()
+                    if k not in ("results", "prompt_tokens", "quality")}))
   bad = [r for r in results if r["mismatched_prompts"]]
   if bad and _DTYPE.value == "float32":
     raise SystemExit(f"outputs differ from AR in float32: {[(r['method'], r['budget']) for r in bad]}")

@@ -24,8 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import ddtree_jax as dj
-from ddtree_jax import engine
-from ddtree_jax import checkpoint, data, files, hf_export, train_loop, training
+from ddtree_jax import checkpoint, data, engine, files, hf_export, train_loop, training
 from ddtree_jax.config import config_from_hf
 from ddtree_jax.drafter import DrafterConfig, default_target_layer_ids
 
@@ -98,6 +97,7 @@ def drafter_config(cfg, target, tokenizer) -> DrafterConfig:
 
 
 engine.define_compilation_cache_flags()
+
 
 def main(_):
   engine.compilation_cache_from_flags()

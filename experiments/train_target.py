@@ -22,8 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import ddtree_jax as dj
-from ddtree_jax import engine
-from ddtree_jax import checkpoint, data, hf_export, model, train_loop, training
+from ddtree_jax import checkpoint, data, engine, hf_export, model, train_loop, training
 from ddtree_jax.config import ModelConfig
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/train_target.py", "run configuration")
@@ -52,6 +51,7 @@ def heldout_loss_fn(mcfg, windows, batch_size, compute_dtype):
 
 engine.define_compilation_cache_flags()
 
+
 def main(_):
   engine.compilation_cache_from_flags()
   logging.set_verbosity(logging.WARNING)
@@ -59,7 +59,7 @@ def main(_):
   t0 = time.perf_counter()
   tok, train_tokens, heldout_tokens = data.prepare_corpus(
       cfg.workdir, cfg.data.vocab_size, cfg.data.heldout_fraction, cfg.data.max_files,
-      cfg.data.stdlib_root)
+      cfg.data.stdlib_root, cfg.data.packages)
   mcfg = model_config(cfg, tok)
   tc = cfg.train
   length = cfg.model.seq_len + 1

@@ -1,4 +1,5 @@
-"""Step 1 of `make train`: byte-level BPE tokenizer + token caches of the stdlib corpus.
+"""Step 1 of `make train`: byte-level BPE tokenizer + token caches of the corpus (the stdlib and
+the project's dependencies' sources, ddtree_jax/data.py).
 
   python -m experiments.train_tokenizer --config=configs/train_target.py[:smoke]
 
@@ -20,7 +21,7 @@ def main(_):
   t0 = time.perf_counter()
   tok, train, heldout = data.prepare_corpus(cfg.workdir, cfg.data.vocab_size,
                                             cfg.data.heldout_fraction, cfg.data.max_files,
-                                            cfg.data.stdlib_root)
+                                            cfg.data.stdlib_root, cfg.data.packages)
   print(f"tokenizer: vocab {tok.get_vocab_size()}, eos {tok.token_to_id(data.EOS)}, "
         f"mask {tok.token_to_id(data.MASK)}; tokens: train {len(train)}, held-out {len(heldout)} "
         f"({time.perf_counter() - t0:.1f} s) -> {cfg.workdir}", flush=True)

@@ -2,6 +2,7 @@
 drafter loss, HF / z-lab export round trips, and training forward == decode-time drafter."""
 
 import dataclasses
+import json
 import functools
 import importlib.util
 import os
@@ -65,6 +66,30 @@ def target(corpus, tmp_path_factory):
   params, summary = _train_target(tmp_path_factory.mktemp("target"), corpus)
   tok = corpus[0]
   return dj.Target(params=params, config=_tiny_cfg(tok), tokenizer=tok), summary
+
+
+def test_corpus_adds_the_dependencies_sources(tmp_path):
+  """Packages join the corpus under site-packages/<name>/, split by the same path hash, and the
+  stdlib part (its split included) is unchanged by them."""
+  assert data.resolve_packages("deps") == list(data.DEPENDENCIES)
+  assert data.resolve_packages("absl, ,tqdm") == ["absl", "tqdm"]
+  with pytest.raises(ValueError, match="'no_such_pkg' is not installed"):
+    data.sources(packages=["no_such_pkg"])
+  absl_files = data.list_files(data.package_dir("absl"), "site-packages/absl/")
+  assert absl_files and all(f.startswith("site-packages/absl/") and "/tests/" not in f
+                            for f in absl_files)
+  assert not any(f.endswith("_gen.py") for f in data.list_files(data.package_dir("jaxlib")))
+  plain = data.read_split("train", max_files=2)
+  more = data.read_split("train", max_files=2, packages=["absl"])
+  assert more[:len(plain)] == plain and all(r.startswith("site-packages/absl/")
+                                            for r, _ in more[len(plain):])
+  tok, train, _ = data.prepare_corpus(str(tmp_path), 300, max_files=2, packages="absl")
+  assert train.dtype == np.int32 and train.max() < 300
+  info = json.load(open(tmp_path / "data" / "corpus.json"))
+  assert info["settings"]["packages"] == ["absl"] and info["package_versions"]["absl"] != "unknown"
+  assert np.load(tmp_path / "data" / "train.npy").dtype == np.uint16  # half the bytes
+  with pytest.raises(ValueError, match="was made with"):
+    data.prepare_corpus(str(tmp_path), 300, max_files=2, packages="")
 
 
 def test_corpus_split_and_tokenizer(corpus):

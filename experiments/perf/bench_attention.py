@@ -90,6 +90,7 @@ def fmt(x, spec):
 
 engine.define_compilation_cache_flags()
 
+
 def main(_):
   engine.compilation_cache_from_flags()
   args = harness.settings(FLAGS, SMOKE)

@@ -239,6 +239,7 @@ def formats(args, keys):
 
 engine.define_compilation_cache_flags()
 
+
 def main(_):
   engine.compilation_cache_from_flags()
   args = parse_settings()

@@ -39,6 +39,7 @@ SMOKE = dict(hidden=64, copies=2, sites="o:64,down:128", rows="1,5", splits="1,2
 
 engine.define_compilation_cache_flags()
 
+
 def main(_):
   engine.compilation_cache_from_flags()
   args = harness.settings(FLAGS, SMOKE)

@@ -83,6 +83,7 @@ def parse_runs(text):
 
 engine.define_compilation_cache_flags()
 
+
 def main(_):
   if "compile" in FLAGS.sections.split(","):  # it times compiles: a warm cache would hide them
     print("--sections=compile: the persistent compilation cache stays off", flush=True)

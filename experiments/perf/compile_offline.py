@@ -69,6 +69,7 @@ def lowering_context():
 
 engine.define_compilation_cache_flags(default=False)  # compile times are what it measures
 
+
 def main(_):
   engine.compilation_cache_from_flags()
   if FLAGS.triton:

@@ -67,7 +67,9 @@ flags.DEFINE_string("residual", "",
 sharding.define_mesh_flags()
 FLAGS = flags.FLAGS
 
+
 engine.define_compilation_cache_flags()
+
 
 def main(_):
   engine.compilation_cache_from_flags()

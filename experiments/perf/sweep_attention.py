@@ -48,6 +48,7 @@ SMOKE = dict(prefixes="64", tokens="4,9", batches="1", block_rows="16", splits="
 
 engine.define_compilation_cache_flags()
 
+
 def main(_):
   engine.compilation_cache_from_flags()
   args = harness.settings(FLAGS, SMOKE)
