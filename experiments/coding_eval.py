@@ -4,7 +4,7 @@
   python -m experiments.coding_eval --config=configs/qwen3_8b.py --config.target=/models/Qwen3-8B \
       --config.drafter=/models/Qwen3-8B-DFlash-b16 --config.budgets=8,32
 
-Each problem is a prompt (signature + docstring, ending in a newline) and hidden tests (inputs and
+Each problem is a prompt (signature + docstring, the model writing its newline) and hidden tests (inputs and
 expected outputs). The model's completion is cut to the function body (indented lines, up to the
 first dedent or a stop marker), appended to the prompt and executed by ddtree_jax.sandbox: a fresh
 `python -I -S` with an empty environment in a fresh temp dir, rlimits (CPU, memory, file size,
@@ -31,14 +31,16 @@ from ddtree_jax import files, sandbox
 @dataclasses.dataclass(frozen=True)
 class Problem:
   name: str
-  prompt: str                       # signature + docstring, ends with a newline
+  prompt: str                       # signature + docstring, without the final newline
   cases: tuple                      # argument tuples
   expected: tuple                   # expected return values
   canonical: str                    # a correct body (self-check and tests)
 
 
 def _problem(name, signature, doc, cases, expected, canonical):
-  return Problem(name, f'def {name}{signature}:\n    """{doc}"""\n', tuple(cases), tuple(expected),
+  # The model writes the docstring's newline itself: BPE code tokenizers merge a newline with
+  # the next line's indentation, so a prompt ending in "\n" is a boundary they rarely saw.
+  return Problem(name, f'def {name}{signature}:\n    """{doc}"""', tuple(cases), tuple(expected),
                  canonical)
 
 
@@ -96,6 +98,8 @@ def extract_body(completion: str) -> str:
 def check(problem: Problem, completion: str, timeout_s: float = 5.0, memory_mb: int = 512):
   """(extracted body, sandbox.SandboxResult) for one completion of one problem."""
   body = extract_body(completion)
+  if not body.startswith("\n"):  # a completion given from the next line on
+    body = "\n" + body
   return body, sandbox.run_tests(problem.prompt + body, problem.name, problem.cases,
                                  problem.expected, timeout_s=timeout_s, memory_mb=memory_mb)
 

@@ -55,8 +55,10 @@ def perplexity(target, docs: list[str], window: int | None = None, batch: int = 
 
 def signatures(docs: list[str], n: int, seed: int = 0) -> list[tuple[str, int]]:
   """`n` function signatures from the documents, in a seeded random order: (the `def` lines
-  through the colon, ending in a newline; the def's indentation). Decorators are left out; a
-  def whose body starts on its own last line is skipped."""
+  through the colon, without the final newline, which the model writes itself: a prompt that
+  ends in "\n" splits the newline from the body's indentation, a token boundary BPE models
+  rarely see in code; the def's indentation). Decorators are left out; a def whose body starts
+  on its own last line is skipped."""
   found = []
   for text in docs:
     try:
@@ -73,14 +75,15 @@ def signatures(docs: list[str], n: int, seed: int = 0) -> list[tuple[str, int]]:
       sig = "".join(lines[first:body])
       if not sig.rstrip().endswith(":"):  # a comment or docstring-only line between
         continue
-      found.append((sig if sig.endswith("\n") else sig + "\n", node.col_offset))
+      found.append((sig.rstrip("\n"), node.col_offset))
   order = np.random.default_rng(seed).permutation(len(found))
   return [found[i] for i in order[:n]]
 
 
 def cut_body(completion: str, indent: int, hit_limit: bool) -> str:
-  """The lines of `completion` that belong to the function: up to the first non-blank line
-  indented no deeper than the def (or the end; without the last line when `hit_limit`)."""
+  """The lines of `completion` (which continues the signature's line) that belong to the
+  function: up to the first non-blank line indented no deeper than the def (or the end; without
+  the last line when `hit_limit`)."""
   out = []
   lines = completion.splitlines(keepends=True)
   for i, line in enumerate(lines):

@@ -83,7 +83,7 @@ def main(_):
   # The held-out loss of what ships: reload the export (float32 math) and evaluate it.
   shipped = dj.load_target(hf, dtype="float32")
   final = heldout_loss_fn(mcfg, windows, tc.batch_size, jnp.float32)(shipped.params)
-  train_loop.plot_curve(summary, os.path.join(out, "loss.png"), "target (stdlib BPE LM)")
+  train_loop.plot_curve(summary, os.path.join(out, "loss.png"), "target (stdlib + dependencies BPE LM)")
   result = {"stage": "target", "params_m": round(n_params / 1e6, 3), "steps": summary["steps"],
             "total_steps": summary["total_steps"], "finished": summary["finished"],
             "final_train_loss": summary["final_train_loss"], "best": summary["best"],

@@ -30,22 +30,21 @@ class K:
 
 def test_signatures_are_the_def_lines_through_the_colon():
   sigs = dict(quality.signatures([DOC, "def broken(:\n"], 10))
-  assert set(sigs) == {"def first(a, b=2):\n", "    def method(self,\n               x):\n"}
-  assert sigs["    def method(self,\n               x):\n"] == 4
+  assert set(sigs) == {"def first(a, b=2):", "    def method(self,\n               x):"}
+  assert sigs["    def method(self,\n               x):"] == 4
 
 
 def test_the_body_ends_where_the_indentation_does():
-  sig = "    def method(self, x):\n"
-  completion = "        if x:\n            return 1\n\n        return 0\n    def other(self):\n"
+  sig = "    def method(self, x):"
+  completion = "\n        if x:\n            return 1\n\n        return 0\n    def other(self):\n"
   body = quality.cut_body(completion, 4, hit_limit=False)
-  assert body == "        if x:\n            return 1\n\n        return 0\n"
+  assert body == "\n        if x:\n            return 1\n\n        return 0\n"
   assert quality.body_parses(sig, body)
-  cut = quality.cut_body("        y = [1,\n             2", 4, hit_limit=True)
-  assert cut == "        y = [1,\n" and not quality.body_parses(sig, cut)
-  assert quality.body_parses(sig, quality.cut_body("        return (1 +\n", 4, hit_limit=True)) \
-      is False  # only the blank line would be left
+  cut = quality.cut_body("\n        y = [1,\n             2", 4, hit_limit=True)
+  assert cut == "\n        y = [1,\n" and not quality.body_parses(sig, cut)
+  assert not quality.body_parses(sig, quality.cut_body("\n        return (1 +", 4, True))
   assert not quality.body_parses(sig, "\n\n")            # no statement
-  assert not quality.body_parses(sig, "        return ]\n")
+  assert not quality.body_parses(sig, "\n        return ]\n")
 
 
 def test_perplexity_matches_a_direct_computation():
