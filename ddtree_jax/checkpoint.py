@@ -10,7 +10,6 @@ import glob
 import json
 import logging
 import os
-import re
 from typing import Any
 
 import jax
@@ -19,8 +18,9 @@ import numpy as np
 
 from ddtree_jax import files, sharding
 from ddtree_jax.config import ModelConfig, config_from_hf
-from ddtree_jax.model import LayerParams, Params
+from ddtree_jax.model import Params
 from ddtree_jax.safetensors_io import CheckpointError, read_safetensors
+from ddtree_jax.tensor_reader import TensorReader
 
 def read_checkpoint_tensors(path: str) -> dict[str, np.ndarray]:
   """All tensors of an HF directory: model.safetensors or a sharded index whose shards lie
@@ -74,133 +74,8 @@ def read_config(path: str) -> dict[str, Any]:
   return read_json(file)
 
 
-def _full_index(idx, ndim: int) -> tuple:
-  """An index (one entry, a tuple, or `...` alone) as a tuple of ndim entries."""
-  idx = tuple(idx) if isinstance(idx, tuple) else (idx,)
-  idx = () if idx == (Ellipsis,) else idx
-  return idx + (slice(None),) * (ndim - len(idx))
-
-
-class Stacked:
-  """A lazy np.stack of host tensors along `axis`: slicing reads only the requested region."""
-
-  def __init__(self, parts, axis: int):
-    self.parts, self.axis = list(parts), axis
-    self.shape = parts[0].shape[:axis] + (len(parts),) + parts[0].shape[axis:]
-
-  def __getitem__(self, idx):
-    idx = _full_index(idx, len(self.shape))
-    rest = idx[:self.axis] + idx[self.axis + 1:]
-    picked = range(len(self.parts))[idx[self.axis]]
-    return np.stack([np.asarray(self.parts[i][rest]) for i in picked], axis=self.axis)
-
-
-class Joined:
-  """A lazy np.concatenate of host tensors along `axis` (model.fuse_qkv's wqkv, made on the host
-  so that no device holds the separate weights too). Indexed by slices only (or `...` alone)."""
-
-  def __init__(self, parts, axis: int):
-    self.parts, self.axis = list(parts), axis
-    off_axis = lambda p: p.shape[:axis] + p.shape[axis + 1:]
-    if any(off_axis(p) != off_axis(parts[0]) for p in parts):
-      raise ValueError(f"Joined: parts {[p.shape for p in parts]} differ off axis {axis}")
-    size = sum(p.shape[axis] for p in parts)
-    self.shape = parts[0].shape[:axis] + (size,) + parts[0].shape[axis + 1:]
-
-  def __getitem__(self, idx):
-    idx = _full_index(idx, len(self.shape))
-    if not all(isinstance(i, slice) for i in idx):
-      raise TypeError(f"Joined is indexed by slices only, got {idx}")
-    whole = idx[:self.axis] + (slice(None),) + idx[self.axis + 1:]
-    joined = np.concatenate([np.asarray(p[whole]) for p in self.parts], axis=self.axis)
-    return joined[(slice(None),) * self.axis + (idx[self.axis],)]
-
-
-class _Missing:
-  """Stands in for a tensor the checkpoint lacks until `TensorReader.check_complete` reports it."""
-
-  def __init__(self, shape):
-    self.shape = tuple(shape)
-
-  @property
-  def T(self):  # pylint: disable=invalid-name
-    return _Missing(self.shape[::-1])
-
-  def reshape(self, *shape):
-    return _Missing(shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape)
-
-
-# Tensors a checkpoint may hold that no model here reads (RoPE tables are recomputed).
-SKIPPED_TENSORS = (re.compile(r"(^|\.)rotary_emb\.inv_freq$"),)
-
-
-class TensorReader:
-  """Fetches named tensors with shape checks as lazy host views in our [in, out] layouts
-  (memory-mapped numpy views, `Stacked` or `Joined`); nothing is read until `place` slices them.
-  It records what it reads: `check_complete` then refuses a checkpoint with missing tensors or
-  tensors no one read (a config that does not match the file, a bias the model has no place for).
-  """
-
-  def __init__(self, tensors: dict[str, np.ndarray], source: str):
-    self.tensors, self.source = tensors, source
-    self.used, self.missing = set(), []
-
-  def raw(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-    if name not in self.tensors:
-      self.missing.append(f"{name} {tuple(shape)}")
-      return _Missing(shape)
-    t = self.tensors[name]
-    if tuple(t.shape) != tuple(shape):
-      raise CheckpointError(f"{self.source}: tensor {name!r} has shape {tuple(t.shape)}, "
-                            f"expected {tuple(shape)}")
-    self.used.add(name)
-    return t
-
-  def check_complete(self, skip=SKIPPED_TENSORS, hint: str = "") -> None:
-    """Raises CheckpointError naming the missing tensors and those nothing read (less `skip`)."""
-    unused = sorted(n for n in set(self.tensors) - self.used
-                    if not any(p.search(n) for p in skip))
-    if not self.missing and not unused:
-      return
-    parts = []
-    if self.missing:
-      parts.append(f"missing tensors {self.missing[:6]}"
-                   + (f" (+{len(self.missing) - 6} more)" if len(self.missing) > 6 else ""))
-    if unused:
-      parts.append(f"tensors this loader does not read {unused[:6]}"
-                   + (f" (+{len(unused) - 6} more)" if len(unused) > 6 else ""))
-    raise CheckpointError(f"{self.source}: " + "; ".join(parts) + (f". {hint}" if hint else ""))
-
-  def get(self, name: str, shape, transform=lambda t: t):
-    return transform(self.raw(name, shape))
-
-  def linear(self, name: str, out_dim: int, in_dim: int, split: tuple[int, ...] = ()):
-    """torch Linear [out, in] -> [in, *split] (split factors out_dim, e.g. heads x head_dim).
-    Transposing and splitting one axis are both views: still nothing is read."""
-    return self.get(name, (out_dim, in_dim), lambda t: t.T.reshape((in_dim,) + (split or (out_dim,))))
-
-  def layer(self, prefix: str, cfg: ModelConfig, fuse_qkv: bool = False) -> LayerParams:
-    """One decoder layer; fuse_qkv: q, k and v as one wqkv [H, N + 2K, D] (`model.fuse_qkv`)."""
-    h, n, k, d, i = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                     cfg.intermediate_size)
-    a = prefix + "self_attn."
-    kproj = self.linear(a + "k_proj.weight", k * d, h, (k, d))
-    vproj = self.linear(a + "v_proj.weight", k * d, h, (k, d))
-    gate = self.linear(prefix + "mlp.gate_proj.weight", i, h)
-    up = self.linear(prefix + "mlp.up_proj.weight", i, h)
-    wq = self.linear(a + "q_proj.weight", n * d, h, (n, d))
-    return LayerParams(
-        input_norm=self.get(prefix + "input_layernorm.weight", (h,)),
-        wq=None if fuse_qkv else wq,
-        wkv=None if fuse_qkv else Stacked([kproj, vproj], axis=1),
-        wo=self.get(a + "o_proj.weight", (h, n * d), lambda t: t.T.reshape(n, d, h)),
-        q_norm=self.get(a + "q_norm.weight", (d,)) if cfg.qk_norm else None,
-        k_norm=self.get(a + "k_norm.weight", (d,)) if cfg.qk_norm else None,
-        post_norm=self.get(prefix + "post_attention_layernorm.weight", (h,)),
-        w_gate_up=Stacked([gate, up], axis=1),
-        w_down=self.linear(prefix + "mlp.down_proj.weight", h, i),
-        wqkv=Joined([wq, kproj, vproj], axis=1) if fuse_qkv else None,
-    )
+# Leaves kept in float32 whatever the weights' dtype.
+FLOAT32_LEAVES = ("router",)
 
 
 def place(host_tree, dtype, shardings=None):
@@ -209,15 +84,16 @@ def place(host_tree, dtype, shardings=None):
   Without shardings each tensor goes whole to the default device. With a NamedSharding pytree
   every device receives only its own shard, read and converted from the memory map by
   `jax.make_array_from_callback`: no device (and no host buffer) ever holds a full copy of a
-  sharded tensor."""
+  sharded tensor. A MoE router stays float32 (routing is computed in float32)."""
   dtype = jnp.dtype(dtype)
 
   def read(path, t, idx):
-    x = np.asarray(t[idx]).astype(dtype)
+    dt = jnp.dtype(jnp.float32) if _key(path[-1]) in FLOAT32_LEAVES else dtype
+    x = np.asarray(t[idx]).astype(dt)
     bad = x.size - int(np.isfinite(x).sum())
     if bad:
       raise CheckpointError(f"weights {jax.tree_util.keystr(path)}: {bad} non-finite values in "
-                            f"{dtype.name} (a broken checkpoint, or values that overflow it)")
+                            f"{dt.name} (a broken checkpoint, or values that overflow it)")
     return x
 
   if shardings is None:
@@ -291,7 +167,8 @@ def load_target_params(path: str, cfg: ModelConfig, dtype, mesh=None, rules=None
   v, h = cfg.vocab_size, cfg.hidden_size
   host = Params(
       embed=r.get("model.embed_tokens.weight", (v, h)),
-      layers=[r.layer(f"model.layers.{i}.", cfg, fuse_qkv) for i in range(cfg.num_layers)],
+      layers=[r.layer(f"model.layers.{i}.", cfg, fuse_qkv, moe=cfg.is_moe(i))
+              for i in range(cfg.num_layers)],
       final_norm=r.get("model.norm.weight", (h,)),
       lm_head=None if cfg.tie_word_embeddings else r.linear("lm_head.weight", v, h),
   )

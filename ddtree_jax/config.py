@@ -1,4 +1,5 @@
-"""Model configuration: the frozen dataclass every function closes over, parsed from HF config.json."""
+"""Model configuration: the frozen dataclass every function closes over, parsed from HF config.json
+(Qwen3 dense, Qwen3-MoE, Llama-3)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,12 @@ from typing import Any
 
 import numpy as np
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "llama")
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """Architecture of a Qwen3-dense or Llama-3 decoder (hashable: usable as a jit static arg)."""
+  """Architecture of a Qwen3 (dense or MoE) or Llama-3 decoder (hashable: a jit static arg)."""
   model_type: str
   vocab_size: int
   hidden_size: int
@@ -29,11 +30,31 @@ class ModelConfig:
   tie_word_embeddings: bool = False
   eos_token_ids: tuple[int, ...] = ()
   max_position_embeddings: int = 32768
+  # Mixture of experts: the layers in moe_layers route each token to num_experts_per_tok of
+  # num_experts SwiGLU experts of width moe_intermediate_size (weights renormalised over the
+  # chosen ones when norm_topk_prob); the other layers are dense MLPs of intermediate_size.
+  num_experts: int = 0
+  num_experts_per_tok: int = 0
+  moe_intermediate_size: int = 0
+  norm_topk_prob: bool = False
+  moe_layers: tuple[int, ...] = ()
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"num_attention_heads={self.num_heads} is not a multiple of "
                        f"num_key_value_heads={self.num_kv_heads}")
+    if self.moe_layers:
+      if not 1 <= self.num_experts_per_tok <= self.num_experts:
+        raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, "
+                         f"num_experts={self.num_experts}]")
+      if self.moe_intermediate_size < 1:
+        raise ValueError(f"moe_intermediate_size={self.moe_intermediate_size} must be >= 1")
+      if not all(0 <= i < self.num_layers for i in self.moe_layers):
+        raise ValueError(f"moe_layers {self.moe_layers} outside [0, {self.num_layers})")
+
+  def is_moe(self, layer: int) -> bool:
+    """Is layer `layer`'s MLP a mixture of experts?"""
+    return layer in self.moe_layers
 
   def inv_freq(self) -> np.ndarray:
     """RoPE inverse frequencies [head_dim // 2] (float64), with llama3 scaling when configured."""
@@ -87,8 +108,37 @@ def _positive_float(cfg: dict[str, Any], key: str, source: str, default: float) 
   return float(v)
 
 
+# MoE variants we refuse rather than run wrongly: a shared expert (Qwen2-MoE), other routers.
+_MOE_REFUSE = ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts",
+               "scoring_func", "topk_method", "n_group", "topk_group", "routed_scaling_factor")
+
+
+def _moe_settings(cfg: dict[str, Any], model_type: str, source: str) -> dict[str, Any]:
+  """The MoE fields of ModelConfig from a qwen3_moe config.json (none for dense models)."""
+  if model_type != "qwen3_moe":
+    return {}
+  for key in _MOE_REFUSE:
+    if cfg.get(key):
+      raise ValueError(f"{source}: unsupported mixture-of-experts field {key}={cfg[key]!r} "
+                       "(Qwen3-MoE has no shared expert and routes by softmax top-k)")
+  experts_key = "num_experts" if "num_experts" in cfg else "num_local_experts"
+  experts = _positive_int(cfg, experts_key, source)
+  top_k = _positive_int(cfg, "num_experts_per_tok", source)
+  if top_k > experts:
+    raise ValueError(f"{source}: num_experts_per_tok={top_k} exceeds {experts_key}={experts}")
+  step = _positive_int(cfg, "decoder_sparse_step", source, 1)
+  dense = cfg.get("mlp_only_layers") or []
+  n = cfg["num_hidden_layers"]
+  if not isinstance(dense, list) or not all(isinstance(i, int) and 0 <= i < n for i in dense):
+    raise ValueError(f"{source}: mlp_only_layers {dense!r} must list layers in [0, {n})")
+  layers = tuple(i for i in range(n) if i not in dense and (i + 1) % step == 0)
+  return dict(num_experts=experts, num_experts_per_tok=top_k,
+              moe_intermediate_size=_positive_int(cfg, "moe_intermediate_size", source),
+              norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), moe_layers=layers)
+
+
 def config_from_hf(cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
-  """Parses a Hugging Face config.json dict for Qwen3 (dense) or Llama; raises on what we lack
+  """Parses a Hugging Face config.json dict for Qwen3 (dense or MoE) or Llama; raises on what we lack
   and on values out of range, naming `source`."""
   model_type = cfg.get("model_type")
   if model_type not in SUPPORTED_MODEL_TYPES:
@@ -109,6 +159,7 @@ def config_from_hf(cfg: dict[str, Any], source: str = "config.json") -> ModelCon
       raise ValueError(f"{source}: config.json lacks required field {key!r}")
     _positive_int(cfg, key, source)
   heads = cfg["num_attention_heads"]
+  moe = _moe_settings(cfg, model_type, source)
   kv_heads = _positive_int(cfg, "num_key_value_heads", source, cfg.get("num_key_value_heads")
                            or heads)
   head_dim = _positive_int(cfg, "head_dim", source, cfg.get("head_dim")
@@ -138,10 +189,11 @@ def config_from_hf(cfg: dict[str, Any], source: str = "config.json") -> ModelCon
         rms_norm_eps=_positive_float(cfg, "rms_norm_eps", source, 1e-6),
         rope_theta=theta,
         rope_scaling=scaling,
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         eos_token_ids=eos,
         max_position_embeddings=_positive_int(cfg, "max_position_embeddings", source, 32768),
+        **moe,
     )
   except ValueError as e:
     raise ValueError(f"{source}: {e}") from None

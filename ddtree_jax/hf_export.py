@@ -1,4 +1,4 @@
-"""Writing Hugging Face checkpoints: a Qwen3 target or a z-lab DFlash drafter directory
+"""Writing Hugging Face checkpoints: a Qwen3 (dense or MoE) target or a z-lab DFlash drafter directory
 (config.json, model.safetensors in PyTorch [out, in] layout), the exact inverse of the loaders in
 `checkpoint`. Every file is written atomically (`files`): re-exporting over a good export and
 being killed leaves each file whole."""
@@ -32,7 +32,6 @@ def _layer_tensors(prefix: str, layer: LayerParams, cfg: ModelConfig, dtype) -> 
     wq, wkv = wqkv[:, :n], wqkv[:, n:].reshape(h, 2, k, d)
   else:
     wq, wkv = _np(layer.wq, dtype), _np(layer.wkv, dtype)
-  gu = _np(layer.w_gate_up, dtype)
   t = {
       prefix + "input_layernorm.weight": _np(layer.input_norm, dtype),
       a + "q_proj.weight": wq.reshape(h, n * d).T,
@@ -40,10 +39,20 @@ def _layer_tensors(prefix: str, layer: LayerParams, cfg: ModelConfig, dtype) -> 
       a + "v_proj.weight": wkv[:, 1].reshape(h, k * d).T,
       a + "o_proj.weight": _np(layer.wo, dtype).reshape(n * d, h).T,
       prefix + "post_attention_layernorm.weight": _np(layer.post_norm, dtype),
-      prefix + "mlp.gate_proj.weight": gu[:, 0].T,
-      prefix + "mlp.up_proj.weight": gu[:, 1].T,
-      prefix + "mlp.down_proj.weight": _np(layer.w_down, dtype).T,
   }
+  m = prefix + "mlp."
+  if layer.moe is None:
+    gu = _np(layer.w_gate_up, dtype)
+    t.update({m + "gate_proj.weight": gu[:, 0].T, m + "up_proj.weight": gu[:, 1].T,
+              m + "down_proj.weight": _np(layer.w_down, dtype).T})
+  else:  # HF's per-expert layout (what save_pretrained writes)
+    gu, down = _np(layer.moe.w_gate_up, dtype), _np(layer.moe.w_down, dtype)
+    t[m + "gate.weight"] = _np(layer.moe.router, dtype).T
+    for e in range(gu.shape[0]):
+      x = f"{m}experts.{e}."
+      t.update({x + "gate_proj.weight": np.ascontiguousarray(gu[e, :, 0].T),
+                x + "up_proj.weight": np.ascontiguousarray(gu[e, :, 1].T),
+                x + "down_proj.weight": np.ascontiguousarray(down[e].T)})
   if cfg.qk_norm:
     t[a + "q_norm.weight"] = _np(layer.q_norm, dtype)
     t[a + "k_norm.weight"] = _np(layer.k_norm, dtype)
@@ -63,6 +72,15 @@ def _hf_fields(cfg: ModelConfig, dtype_name: str) -> dict[str, Any]:
   }
 
 
+def _moe_fields(cfg: ModelConfig) -> dict[str, Any]:
+  """config.json fields of a qwen3_moe checkpoint (its dense layers as mlp_only_layers)."""
+  return {"num_experts": cfg.num_experts, "num_experts_per_tok": cfg.num_experts_per_tok,
+          "moe_intermediate_size": cfg.moe_intermediate_size,
+          "norm_topk_prob": cfg.norm_topk_prob, "decoder_sparse_step": 1,
+          "mlp_only_layers": [i for i in range(cfg.num_layers) if not cfg.is_moe(i)],
+          "output_router_logits": False, "router_aux_loss_coef": 0.001}
+
+
 def _write_tokenizer(path: str, tokenizer, eos_token: str | None):
   files.save_tokenizer(tokenizer, os.path.join(path, "tokenizer.json"))
   tc = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
@@ -73,10 +91,12 @@ def _write_tokenizer(path: str, tokenizer, eos_token: str | None):
 
 def save_target_hf(path: str, params: Params, cfg: ModelConfig, tokenizer=None,
                    dtype="bfloat16") -> str:
-  """Writes a Hugging Face Qwen3 directory (config.json, model.safetensors in PyTorch [out, in]
-  layout, tokenizer.json when given): the exact inverse of `load_target_params`."""
-  if cfg.model_type != "qwen3":
-    raise ValueError(f"save_target_hf writes qwen3 checkpoints, not {cfg.model_type!r}")
+  """Writes a Hugging Face Qwen3 or Qwen3-MoE directory (config.json, model.safetensors in
+  PyTorch [out, in] layout, tokenizer.json when given): the exact inverse of
+  `load_target_params`."""
+  if cfg.model_type not in ("qwen3", "qwen3_moe"):
+    raise ValueError(f"save_target_hf writes qwen3 / qwen3_moe checkpoints, not "
+                     f"{cfg.model_type!r}")
   dt = np.dtype(parse_dtype(dtype))
   dtype_name = {np.dtype(jnp.bfloat16): "bfloat16", np.dtype(np.float32): "float32",
                 np.dtype(np.float16): "float16"}[dt]
@@ -89,7 +109,9 @@ def save_target_hf(path: str, params: Params, cfg: ModelConfig, tokenizer=None,
     t["lm_head.weight"] = _np(params.lm_head, dt).T
   write_safetensors(os.path.join(path, "model.safetensors"), t)
   eos = list(cfg.eos_token_ids)
-  conf = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **_hf_fields(cfg, dtype_name),
+  arch = "Qwen3MoeForCausalLM" if cfg.model_type == "qwen3_moe" else "Qwen3ForCausalLM"
+  moe = _moe_fields(cfg) if cfg.model_type == "qwen3_moe" else {}
+  conf = {"architectures": [arch], "model_type": cfg.model_type, **_hf_fields(cfg, dtype_name), **moe,
           "tie_word_embeddings": cfg.tie_word_embeddings,
           "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
           "bos_token_id": None, "use_cache": True}

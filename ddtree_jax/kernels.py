@@ -8,6 +8,8 @@ is a jit static argument: each configuration compiles its own program. It holds
   project_qkv    q/k/v projections + q/k RMSNorm + RoPE (`model.project_norm_rope`; Pallas)
   residual_norm  the residual add + next RMSNorm after o and down (`model.residual_norm`; Pallas)
   embed          the embedding lookup (`model.embed_lookup`)
+  moe            a MoE layer's router + experts (`moe.grouped`; its expert GEMMs in Pallas,
+                 `pallas.grouped_gemm`)
 
 and, on a mesh, runs each per shard under `jax.shard_map` (a pallas_call cannot take sharded
 operands; the vocab-split lookup needs one psum). `KernelTuning` holds every tuning default of the
@@ -49,6 +51,10 @@ class KernelTuning:
   residual_splits: tuple[tuple[int, int], ...] = ((8192, 8), (0, 4))
   residual_min_depth: int = 512
   residual_warps: int = 8
+  # the MoE expert GEMMs (`pallas.grouped_gemm`): (most (row, expert) pairs, block_m, block_n,
+  # block_k), the first entry covering a step's pairs; XLA's ragged_dot past the last entry
+  moe_launch: tuple[tuple[int, int, int, int], ...] = ((256, 16, 64, 128), (4096, 16, 128, 64),
+                                                       (1 << 30, 64, 128, 64))
   # Pallas interpret mode; None: on a CPU backend (False lowers to Triton there, for an
   # abstract GPU: experiments/perf/compile_offline.py)
   interpret: bool | None = None
@@ -72,6 +78,11 @@ class KernelTuning:
       return getattr(jax.devices()[0], "core_count", None) or DEFAULT_SM_COUNT
     except RuntimeError:  # no backend
       return DEFAULT_SM_COUNT
+
+  def moe_blocks(self, pairs: int) -> tuple[int, int, int] | None:
+    """(block_m, block_n, block_k) of the grouped GEMM over `pairs` sorted rows, or None (XLA's
+    ragged_dot)."""
+    return next((tuple(b) for most, *b in self.moe_launch if pairs <= most), None)
 
   def qkv_split_count(self, rows: int) -> int:
     """Split-K slices of a fused q/k/v projection over `rows` token rows (0: XLA's GEMM)."""
@@ -142,6 +153,25 @@ class Kernels:
     from ddtree_jax import model  # pylint: disable=import-outside-toplevel
     return model.embed_lookup if self.mesh is None else shard_embed_lookup(self.mesh,
                                                                            self._rules)
+
+  @functools.cached_property
+  def moe(self) -> Callable:
+    """params, x [R, H], *, top_k, norm_topk_prob -> [R, H]: the router and the dropless
+    mixture of experts. On a mesh per shard: each device runs its experts (and its slice of
+    their width) for every row, and one psum adds the shards."""
+    from ddtree_jax import moe as moe_lib  # pylint: disable=import-outside-toplevel
+    experts = moe_lib.grouped
+    if self.attention == "pallas":
+      from ddtree_jax.pallas.grouped_gemm import expert_matmul  # pylint: disable=import-outside-toplevel
+      experts = functools.partial(moe_lib.grouped, matmul=functools.partial(
+          expert_matmul, tuning=self.tuning))
+    if self.mesh is not None:
+      return shard_moe(experts, self.mesh, self._rules)
+
+    def mixture(params, x, *, top_k, norm_topk_prob):
+      weights, chosen = moe_lib.route(params, x, top_k, norm_topk_prob)
+      return experts(params, x, weights, chosen)
+    return mixture
 
   @functools.cached_property
   def outside_verify(self) -> Kernels:
@@ -240,6 +270,42 @@ def shard_qk_norm_rope(qk_fn: Callable, mesh, rules=None) -> Callable:
                          in_specs=(q_spec, P(bt, None, None, kv_ax, None), norm(q_norm),
                                    norm(k_norm), rows, rows))(
         q, kv, q_norm, k_norm, cos, sin)
+
+  return wrapped
+
+
+def shard_moe(experts: Callable, mesh, rules=None) -> Callable:
+  """A MoE layer per shard: experts [E, ...] split over rules.experts and their width I over
+  rules.mlp (where those divide); rows and the router replicated (rows over dp when it
+  divides). Each device routes every row (the same choice everywhere), runs the pairs that fall
+  on its experts (the others get weight 0) and one psum adds the shards' outputs."""
+  from ddtree_jax import moe as moe_lib  # pylint: disable=import-outside-toplevel
+  rules = _rules_or_default(rules)
+
+  def wrapped(params, x, *, top_k, norm_topk_prob):
+    size = lambda name: mesh.shape[name] if name in mesh.shape else 1
+    e, _, _, i = params.w_gate_up.shape
+    ep = rules.experts if rules.experts in mesh.shape and e % size(rules.experts) == 0 else None
+    mp = rules.mlp if rules.mlp in mesh.shape and i % size(rules.mlp) == 0 else None
+    bt = rules.batch if (rules.batch in mesh.shape and rules.batch not in (ep, mp)
+                         and x.shape[0] % size(rules.batch) == 0) else None
+    summed = tuple(a for a in (ep, mp) if a is not None)
+
+    def local(router, gate_up, down, x):
+      weights, chosen = moe_lib.route(moe_lib.MoEParams(router, gate_up, down), x, top_k,
+                                      norm_topk_prob)
+      if ep is not None:  # this shard's experts: [first, first + E_loc)
+        e_loc = gate_up.shape[0]
+        first = jax.lax.axis_index(ep) * e_loc
+        mine = (chosen >= first) & (chosen < first + e_loc)
+        chosen = jnp.where(mine, chosen - first, e_loc)
+      y = experts(moe_lib.MoEParams(router, gate_up, down), x, weights, chosen)
+      return jax.lax.psum(y, summed) if summed else y
+
+    return jax.shard_map(local, mesh=mesh, check_vma=False,
+                         in_specs=(P(), P(ep, None, None, mp), P(ep, mp, None), P(bt, None)),
+                         out_specs=P(bt, None))(params.router, params.w_gate_up, params.w_down,
+                                                x)
 
   return wrapped
 

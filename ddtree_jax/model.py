@@ -1,4 +1,6 @@
-"""Qwen3-dense / Llama-3 decoder as pure functions over a registered-dataclass params pytree.
+"""Qwen3 (dense or MoE) / Llama-3 decoder as pure functions over a registered-dataclass params
+pytree. A decoder layer is an attention block and an MLP block; the MLP block is dense or a
+mixture of experts (`moe.py`).
 
 Shapes: B batch, T new tokens, H hidden, N query heads, K kv heads, D head_dim, I MLP width,
 V vocab, S cache capacity. Weights are stored [in, out] (x @ W), split by head for sharding.
@@ -12,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax import kernels as kernels_lib
+from ddtree_jax import moe as moe_lib
 from ddtree_jax.attention import einsum_f32
 from ddtree_jax.config import ModelConfig
 
@@ -85,11 +88,12 @@ class LayerParams:
   q_norm: Array | None     # [D] (Qwen3) or None (Llama)
   k_norm: Array | None     # [D]
   post_norm: Array         # [H]
-  w_gate_up: Array         # [H, 2, I]  (gate, up)
-  w_down: Array            # [I, H]
+  w_gate_up: Array | None  # [H, 2, I]  (gate, up); None in a MoE layer
+  w_down: Array | None     # [I, H]; None in a MoE layer
   # `fuse_qkv`: [H, N + 2K, D], wq's heads then wkv's k and v heads: the q and k/v projections
   # as one GEMM with one output (one device only; see fuse_qkv)
   wqkv: Array | None = None
+  moe: moe_lib.MoEParams | None = None  # the experts of a MoE layer (its MLP block)
 
 
 def fuse_qkv(params: Params) -> Params:
@@ -256,7 +260,14 @@ def attention_block(layer, cfg, x, h, cos, sin, k_cache, v_cache, prefix_len, ne
 
 
 def mlp_block(layer, cfg, x, h, next_norm, kernels: kernels_lib.Kernels = kernels_lib.REFERENCE):
-  """Residual MLP sub-block over x with h = its RMSNorm -> (x', x' normed with next_norm)."""
+  """Residual MLP sub-block over x with h = its RMSNorm -> (x', x' normed with next_norm): a
+  dense SwiGLU, or the layer's mixture of experts (`Kernels.moe`)."""
+  if layer.moe is not None:
+    b, t, hid = h.shape
+    y = kernels.moe(layer.moe, h.reshape(b * t, hid), top_k=cfg.num_experts_per_tok,
+                    norm_topk_prob=cfg.norm_topk_prob).reshape(b, t, hid)
+    x = x + y.astype(x.dtype)
+    return x, rms_norm(x, next_norm, cfg.rms_norm_eps)
   gu = dense("bth,hsi->btsi", h, layer.w_gate_up)
   return kernels.residual_norm(x, "bti,ih->bth", jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1],
                                layer.w_down, next_norm, eps=cfg.rms_norm_eps)
@@ -335,10 +346,17 @@ def init_params(cfg: ModelConfig, key, dtype=jnp.bfloat16, std: float = 0.02) ->
   keys = iter(jax.random.split(key, 8 * cfg.num_layers + 3))
   w = lambda *shape: (std * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
   ones = lambda m: jnp.ones((m,), dtype)
+
+  def mlp(layer):
+    if not cfg.is_moe(layer):
+      return dict(w_gate_up=w(h, 2, i), w_down=w(i, h))
+    return dict(w_gate_up=None, w_down=None, moe=moe_lib.init_params(
+        jax.random.fold_in(key, 1 << 20 | layer), h, cfg.num_experts, cfg.moe_intermediate_size,
+        dtype, std))
   layers = [LayerParams(
       input_norm=ones(h), wq=w(h, n, d), wkv=w(h, 2, k, d), wo=w(n, d, h),
       q_norm=ones(d) if cfg.qk_norm else None, k_norm=ones(d) if cfg.qk_norm else None,
-      post_norm=ones(h), w_gate_up=w(h, 2, i), w_down=w(i, h)) for _ in range(cfg.num_layers)]
+      post_norm=ones(h), **mlp(layer)) for layer in range(cfg.num_layers)]
   return Params(embed=w(cfg.vocab_size, h), layers=layers, final_norm=ones(h),
                 lm_head=None if cfg.tie_word_embeddings else w(h, cfg.vocab_size))
 

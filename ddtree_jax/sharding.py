@@ -1,6 +1,7 @@
 """Tensor parallelism (and data parallelism over the batch) on a device mesh.
 
-Mesh axes: "tp" splits heads, MLP width and vocab; optional "dp" splits the batch. A
+Mesh axes: "tp" splits heads, MLP width and vocab; optional "dp" splits the batch and "ep" a MoE
+layer's experts (its expert width also over "tp"). A
 `ShardingRules` maps the logical axes to mesh axes; the functions below turn a params / cache /
 decode-state pytree into a matching pytree of NamedShardings. Layouts (model.py, drafter.py):
 
@@ -12,6 +13,7 @@ decode-state pytree into a matching pytree of NamedShardings. Layouts (model.py,
   (its stacked context_wkv [H, L, 2, K, D] split K); a drafter's own lm_head [H, V or Vd] split
   like the target's (replicated when a draft vocabulary's Vd is not divisible), draft_vocab
   replicated
+  MoE experts w_gate_up [E, H, 2, I], w_down [E, I, H]: E over ep, I over tp; router replicated
   KV cache [L, B, K, S, D]: B over dp, K over tp; per-sequence decode state over dp
 
 Everything else is GSPMD: params and caches carry NamedShardings and jit propagates them. The
@@ -39,6 +41,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from ddtree_jax.drafter import DrafterParams
 from ddtree_jax.model import Int8Weight, KVCache, LayerParams, Params
+from ddtree_jax.moe import MoEParams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +56,7 @@ class ShardingRules:
   mlp: str | None = "tp"
   vocab: str | None = "tp"
   fc: str | None = "tp"           # drafter fc output columns
+  experts: str | None = "ep"      # a MoE layer's experts (expert parallelism)
 
   def __post_init__(self):
     if self.kv_heads is not None and self.kv_heads != self.heads:
@@ -123,13 +127,20 @@ def _layer_specs(layer: LayerParams, mesh, rules) -> LayerParams:
                      "..., fuse_qkv=False), or give load_target the mesh)")
   hd = _axis(mesh, rules, "heads", layer.wq.shape[1], "query heads")
   kv = _axis(mesh, rules, "kv_heads", layer.wkv.shape[2], "kv heads")
-  ml = _axis(mesh, rules, "mlp", layer.w_down.shape[0], "intermediate_size")
   opt = lambda x: None if x is None else P()
+  mlp = {}
+  if layer.moe is None:
+    ml = _axis(mesh, rules, "mlp", layer.w_down.shape[0], "intermediate_size")
+    mlp = dict(w_gate_up=_w(layer.w_gate_up, None, None, ml), w_down=_w(layer.w_down, ml, None))
+  else:
+    e, _, _, i = layer.moe.w_gate_up.shape
+    ep = _axis(mesh, rules, "experts", e, "num_experts")
+    ml = _axis(mesh, rules, "mlp", i, "moe_intermediate_size")
+    mlp = dict(w_gate_up=None, w_down=None, moe=MoEParams(
+        router=P(), w_gate_up=P(ep, None, None, ml), w_down=P(ep, ml, None)))
   return LayerParams(input_norm=P(), wq=_w(layer.wq, None, hd, None),
                      wkv=_w(layer.wkv, None, None, kv, None), wo=_w(layer.wo, hd, None, None),
-                     q_norm=opt(layer.q_norm), k_norm=opt(layer.k_norm), post_norm=P(),
-                     w_gate_up=_w(layer.w_gate_up, None, None, ml),
-                     w_down=_w(layer.w_down, ml, None))
+                     q_norm=opt(layer.q_norm), k_norm=opt(layer.k_norm), post_norm=P(), **mlp)
 
 
 def _param_specs(params: Params, mesh, rules) -> Params:
@@ -293,7 +304,8 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
 
 
 def define_mesh_flags() -> None:
-  """absl flags --coordinator_address --num_processes --process_id --mesh_dp --mesh_tp."""
+  """absl flags --coordinator_address --num_processes --process_id --mesh_dp --mesh_tp
+  --mesh_ep."""
   from absl import flags  # pylint: disable=import-outside-toplevel
   if "mesh_tp" in flags.FLAGS:
     return
@@ -302,17 +314,19 @@ def define_mesh_flags() -> None:
   flags.DEFINE_integer("process_id", 0, "multi-host: index of this process")
   flags.DEFINE_integer("mesh_dp", 1, "data-parallel mesh axis size (batch)")
   flags.DEFINE_integer("mesh_tp", 1, "tensor-parallel mesh axis size (heads, MLP, vocab)")
+  flags.DEFINE_integer("mesh_ep", 1, "expert-parallel mesh axis size (a MoE layer's experts)")
 
 
 def mesh_from_flags() -> Mesh | None:
-  """Initialises multi-host if asked, then the {"dp": mesh_dp, "tp": mesh_tp} mesh, or None for
-  a single device (dp = tp = 1 on one process)."""
+  """Initialises multi-host if asked, then the {"dp": mesh_dp, "tp": mesh_tp} mesh (and "ep":
+  mesh_ep when > 1), or None for a single device (all 1 on one process)."""
   from absl import flags  # pylint: disable=import-outside-toplevel
   f = flags.FLAGS
   initialize_distributed(f.coordinator_address, f.num_processes, f.process_id)
-  if f.mesh_dp * f.mesh_tp == 1 and f.num_processes == 1:
+  if f.mesh_dp * f.mesh_tp * f.mesh_ep == 1 and f.num_processes == 1:
     return None
-  return make_mesh({"dp": f.mesh_dp, "tp": f.mesh_tp})
+  shape = {"dp": f.mesh_dp, "tp": f.mesh_tp} | ({"ep": f.mesh_ep} if f.mesh_ep > 1 else {})
+  return make_mesh(shape)
 
 
 __all__ = ["DEFAULT_RULES", "ShardingRules", "batch_multiple", "check_mesh", "constrain",

@@ -103,6 +103,26 @@ def oracle_drafter(drafter, ar_prompts, ar_tokens, corruption=0.3, seed=0, lengt
   return dataclasses.replace(drafter, params=(drafter.params, jnp.asarray(ref)), config=cfg)
 
 
+def cached_decode_logits(target, prompt, greedy):
+  """Prompt prefill, then one cached step per given greedy token: the logits [len(greedy), V]
+  of each step (what HF's generate reports as decode_logits)."""
+  from ddtree_jax import model  # pylint: disable=import-outside-toplevel
+  cfg, params = target.config, target.params
+  cache = model.init_cache(cfg.num_layers, 1, cfg.num_kv_heads, 64, cfg.head_dim, jnp.float32)
+  t = len(prompt)
+  pos = jnp.arange(t)[None]
+  hidden, nk, nv, _ = model.forward(params, cfg, jnp.asarray(prompt)[None], pos, cache,
+                                    model.causal_mask(jnp.array([t]), t))
+  cache = model.commit(cache, nk, nv, pos, jnp.array([t]))
+  got = [model.lm_head(params, hidden[0, -1])]
+  for tok in greedy[:-1]:
+    hidden, nk, nv, _ = model.forward(params, cfg, jnp.array([[tok]]), cache.lens[:, None],
+                                      cache, jnp.ones((1, 1, 1), bool))
+    cache = model.commit(cache, nk, nv, jnp.zeros((1, 1), jnp.int32), jnp.array([1]))
+    got.append(model.lm_head(params, hidden[0, 0]))
+  return jnp.stack(got)
+
+
 def copy_fixture(tmp_path, name="qwen3_gqa"):
   """A private copy of tests/fixtures/hf/<name> under tmp_path (to edit or break)."""
   dst = str(tmp_path / name)

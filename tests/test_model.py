@@ -9,6 +9,7 @@ import pytest
 import ddtree_jax as dj
 from ddtree_jax import model
 from conftest import FIXTURES
+from helpers import cached_decode_logits
 
 MODELS = ["qwen3_gqa", "qwen3_tied", "llama3_scaled", "qwen3_sharded"]
 
@@ -55,22 +56,7 @@ def test_taps_are_hf_hidden_states(name):
 def test_prefill_then_cached_decode_logits_match_hf(name):
   """Prompt prefill, then one cached step per HF greedy token: logits equal HF's per step."""
   target, ref = _load(name)
-  cfg, params = target.config, target.params
-  prompt, greedy = ref["prompt"], ref["greedy"]
-  cache = model.init_cache(cfg.num_layers, 1, cfg.num_kv_heads, 64, cfg.head_dim, jnp.float32)
-  t = len(prompt)
-  ids = jnp.asarray(prompt)[None]
-  pos = jnp.arange(t)[None]
-  hidden, nk, nv, _ = model.forward(params, cfg, ids, pos, cache,
-                                    model.causal_mask(jnp.array([t]), t))
-  cache = model.commit(cache, nk, nv, pos, jnp.array([t]))
-  got = [model.lm_head(params, hidden[0, -1])]
-  for tok in greedy[:-1]:
-    hidden, nk, nv, _ = model.forward(params, cfg, jnp.array([[tok]]), cache.lens[:, None],
-                                      cache, jnp.ones((1, 1, 1), bool))
-    cache = model.commit(cache, nk, nv, jnp.zeros((1, 1), jnp.int32), jnp.array([1]))
-    got.append(model.lm_head(params, hidden[0, 0]))
-  _close(jnp.stack(got), ref["decode_logits"])
+  _close(cached_decode_logits(target, ref["prompt"], ref["greedy"]), ref["decode_logits"])
 
 
 @pytest.mark.parametrize("name", MODELS)

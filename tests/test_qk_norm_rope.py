@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import ddtree_jax as dj
 from conftest import FIXTURES
-from ddtree_jax import kernels, model, sharding
+from ddtree_jax import kernels, model, sharding, tensor_reader
 from ddtree_jax.config import ModelConfig
 from ddtree_jax.pallas import qk_norm_rope
 qk_lib = importlib.import_module("ddtree_jax.pallas.qk_norm_rope")  # the module
@@ -267,10 +267,9 @@ def test_loaded_target_is_fused_and_exports_the_same(tmp_path):
 
 
 def test_joined_reads_slices_of_the_concatenation():
-  from ddtree_jax import checkpoint  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng(0)
   parts = [rng.standard_normal((3, n, 4)) for n in (5, 2, 2)]
-  joined, want = checkpoint.Joined(parts, axis=1), np.concatenate(parts, axis=1)
+  joined, want = tensor_reader.Joined(parts, axis=1), np.concatenate(parts, axis=1)
   assert joined.shape == want.shape
   for idx in [..., (slice(None),), (slice(1, 3), slice(4, 8)), (slice(None), slice(6, None),
                                                                  slice(0, 2))]:

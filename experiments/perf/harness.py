@@ -63,9 +63,27 @@ def tuning_overrides(tree_attention: str = "", qkv_splits: int = -1,
 # Models
 
 
-def target_config(small: bool = False) -> ModelConfig:
-  """Qwen3-8B's shape (36 layers, hidden 4096, 32 / 8 heads, MLP 12288, vocab 151936), or a tiny
-  4-layer one for CPU smoke runs."""
+SHAPES = ("qwen3-8b", "qwen3-30b-a3b")
+
+
+def target_config(small: bool = False, shape: str = "qwen3-8b") -> ModelConfig:
+  """Qwen3-8B's shape (36 layers, hidden 4096, 32 / 8 heads, MLP 12288, vocab 151936), or
+  Qwen3-30B-A3B's (48 MoE layers, hidden 2048, 32 / 4 heads of 128, 128 experts of width 768,
+  top-8, vocab 151936); small: a tiny 4-layer one of the kind for CPU smoke runs."""
+  if shape not in SHAPES:
+    raise ValueError(f"unknown shape {shape!r}; choose one of {SHAPES}")
+  if shape == "qwen3-30b-a3b":
+    if small:
+      return ModelConfig(model_type="qwen3_moe", vocab_size=512, hidden_size=64,
+                         intermediate_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
+                         head_dim=16, rope_theta=1e6, max_position_embeddings=40960,
+                         qk_norm=True, num_experts=16, num_experts_per_tok=4,
+                         moe_intermediate_size=32, norm_topk_prob=True, moe_layers=(0, 1, 2, 3))
+    return ModelConfig(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
+                       intermediate_size=6144, num_layers=48, num_heads=32, num_kv_heads=4,
+                       head_dim=128, rope_theta=1e7, max_position_embeddings=40960, qk_norm=True,
+                       num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                       norm_topk_prob=True, moe_layers=tuple(range(48)))
   if small:
     return ModelConfig(model_type="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128,
                        num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32,
@@ -83,9 +101,13 @@ def random_target(cfg: ModelConfig, key, mesh=None, fuse_qkv: bool = True) -> mo
 
 
 def drafter_config(tcfg: ModelConfig, small: bool = False) -> DrafterConfig:
-  """A 5-layer (2 when small) DFlash drafter of the target's width, block 16."""
-  lcfg = dataclasses.replace(tcfg, num_layers=2 if small else 5)
-  ids = (1, 2) if small else (1, 9, 17, 25, 33)
+  """A 5-layer (2 when small) dense DFlash drafter of the target's width (its MLP of the
+  target's intermediate_size), block 16, tapping 5 (2) layers spread over the target's."""
+  lcfg = dataclasses.replace(tcfg, model_type="qwen3", num_layers=2 if small else 5,
+                             num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0,
+                             norm_topk_prob=False, moe_layers=())
+  n = tcfg.num_layers
+  ids = (1, 2) if small else tuple(1 + i * (n - 4) // 4 for i in range(5))
   return DrafterConfig(layers=lcfg, block_size=16, mask_token_id=tcfg.vocab_size - 3,
                        target_layer_ids=ids)
 

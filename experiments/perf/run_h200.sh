@@ -18,6 +18,7 @@
 #   BATCHES=16 experiments/perf/run_h200.sh matrix OUT  # bench_matrix: bundled pair (float32)
 #   experiments/perf/run_h200.sh temperature OUT        # bundled pair, T=0 vs T=1, DDTree B=32
 #   experiments/perf/run_h200.sh m8b OUT      # bench_matrix: Qwen3-8B shape (~360 s)
+#   experiments/perf/run_h200.sh moe OUT      # Qwen3-30B-A3B shape: the HF reference, then bench_moe
 #
 # bench_matrix compiles each batch's programs 8 at a time (configs/bench_matrix.py
 # compile_threads); bench_step compiles serially. experiments/perf/compile_offline.py checks compile
@@ -34,6 +35,11 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv >"$out/gpus.
 step="$py -m experiments.perf.bench_step --steps=16 --repeats=3"
 
 case $what in
+  moe)  # the REF in its own process first (the GPU holds one 61 GB model at a time), ~400 s
+    timeout 100 python3 -m experiments.perf.ref_hf_moe --json_out="$out/ref_moe.jsonl" \
+      >"$out/ref_moe.log" 2>&1
+    timeout 420 $py -m experiments.perf.bench_moe --json_out="$out/moe.jsonl" >"$out/moe.log" 2>&1
+    ;;
   compile)
     timeout 560 $step --sections=compile --attention=pallas --batches=1 --spec_prefixes=1024 \
       --budgets=chain,4,32,256 --json_out="$out/compile.jsonl" >"$out/compile.log" 2>&1

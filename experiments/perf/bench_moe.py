@@ -1,0 +1,245 @@
+"""Mixture-of-experts step benchmark: a Qwen3-30B-A3B-shaped target (48 MoE layers, hidden 2048,
+32 / 4 heads of 128, 128 experts of width 768, top-8, vocab 151936; random bf16 weights) and a
+5-layer dense DFlash drafter, prefix 1K.
+
+  python -m experiments.perf.bench_moe             # one H200
+  python -m experiments.perf.bench_moe --small     # tiny shapes on CPU (smoke)
+
+Sections, in one run (rows printed as JSON lines as they are measured, tables at the end):
+  copy     the copy bandwidth
+  experts  the 48 MoE layers alone (x <- x + moe(x), router included) over T token rows, for each
+           expert-GEMM implementation (--impls): XLA's ragged_dot, the Pallas grouped GEMM at
+           given tiles, one dense einsum over all experts; against the floor of the experts the
+           rows touch
+  verify   the whole target forward of T tokens (embedding, 48 layers, lm_head on every row)
+           over the prefix under a random tree mask, Pallas kernels: T = 1 is the AR forward
+  loop     the decode loop's step (lax.while_loop, Pallas kernels): AR, chain and DDTree by
+           budget at each batch, with the distinct experts the verify of B + 1 random tokens
+           routes to per layer (the batch's union)
+
+Floors are the bytes a step must read at --floor_bandwidth: attention weights, routers, the
+lm_head, the KV prefix and, per layer, the distinct experts the step's rows route to (counted in
+the same run, from the same inputs' routing). Random weights route near uniformly; a trained
+router concentrates more, so real trees touch fewer experts.
+"""
+
+import json
+
+from absl import app, flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ddtree_jax import decode, engine, model, moe
+from ddtree_jax.kernels import KernelTuning, Kernels
+from experiments.perf import harness
+
+flags.DEFINE_bool("small", False, "tiny shapes (CPU smoke run)")
+flags.DEFINE_string("sections", "copy,experts,verify,loop", "comma list of: copy, experts, "
+                    "verify, loop")
+flags.DEFINE_string("tokens", "1,17,65,2048", "experts section: token rows T")
+flags.DEFINE_string("impls", "xla,pallas:16x64x128,pallas:16x128x64", "experts section: xla (ragged_dot), pallas (KernelTuning's rule), "
+                    "pallas:BMxBNxBK (fixed tiles), dense (every expert; T <= 65 only)")
+flags.DEFINE_string("verify_tokens", "1,9,17,33,65", "verify section: tokens T (batch 1)")
+flags.DEFINE_string("loop_runs", "1:ar,chain,1,4,16,32,64,128,512;8:ar,chain,4,16,64,128",
+                    "loop section: 'batch:run,run;...', a run ar, chain or a DDTree budget (ar "
+                    "first: the x AR column); each batch compiled, then timed, in turn")
+flags.DEFINE_integer("prefix", 1024, "cached prefix per sequence")
+flags.DEFINE_integer("steps", 8, "decode steps timed per loop row")
+flags.DEFINE_integer("repeats", 5, "timed repeats (median)")
+flags.DEFINE_integer("compile_threads", 8, "loop programs compiled concurrently")
+flags.DEFINE_float("floor_bandwidth", 4.3e12, "bytes per second of the floors")
+flags.DEFINE_string("json_out", "", "append each row here as a JSON line")
+FLAGS = flags.FLAGS
+
+ROWS = []
+
+
+def emit(row):
+  ROWS.append(row)
+  print(json.dumps(row), flush=True)
+  if FLAGS.json_out:
+    with open(FLAGS.json_out, "a") as f:
+      f.write(json.dumps(row) + "\n")
+
+
+def experts_impl(name: str, tuning: KernelTuning):
+  """An experts implementation (params, x, weights, chosen) -> [R, H] by --impls name."""
+  from ddtree_jax.pallas.grouped_gemm import expert_matmul, grouped_matmul  # pylint: disable=import-outside-toplevel
+  if name == "xla":
+    return moe.grouped
+  if name == "dense":
+    return moe.reference
+  if name == "pallas":
+    return lambda *a: moe.grouped(*a, matmul=lambda l, r, g: expert_matmul(l, r, g,
+                                                                            tuning=tuning))
+  if name.startswith("pallas:"):
+    bm, bn, bk = (int(v) for v in name[len("pallas:"):].split("x"))
+    return lambda *a: moe.grouped(*a, matmul=lambda l, r, g: grouped_matmul(
+        l, r, g, block_m=bm, block_n=bn, block_k=bk, interpret=tuning.interpret))
+  raise app.UsageError(f"--impls: unknown {name!r}")
+
+
+def counting_kernels(base: Kernels, counts: list):
+  """`base` whose MoE layers also append the distinct experts their rows route to (traced)."""
+  k = Kernels(base.attention, base.mesh, base.rules, base.tuning)
+  inner = base.moe
+
+  def mixture(params, x, *, top_k, norm_topk_prob):
+    _, chosen = moe.route(params, x, top_k, norm_topk_prob)
+    counts.append(moe.distinct_experts(chosen, params.router.shape[1]))
+    return inner(params, x, top_k=top_k, norm_topk_prob=norm_topk_prob)
+  k.__dict__["moe"] = mixture  # Kernels.moe is a cached_property: this instance's value
+  return k
+
+
+def main(_):
+  engine.compilation_cache_from_flags()
+  small, sections = FLAGS.small, FLAGS.sections.split(",")
+  tcfg = harness.target_config(small, "qwen3-30b-a3b")
+  tp = harness.random_target(tcfg, jax.random.key(0))
+  dp, dcfg = harness.random_drafter(tcfg, jax.random.key(1), small)
+  kern = Kernels("pallas")
+  layers = [l.moe for l in tp.layers]
+  e, h, _, inter = layers[0].w_gate_up.shape
+  k_top = tcfg.num_experts_per_tok
+  expert_bytes = 3 * h * inter * layers[0].w_gate_up.dtype.itemsize
+  experts_total = sum(l.w_gate_up.size * l.w_gate_up.dtype.itemsize
+                      + l.w_down.size * l.w_down.dtype.itemsize for l in layers)
+  dense_bytes = model.param_bytes(tp) - experts_total - tp.embed.size * tp.embed.dtype.itemsize
+  router_bytes = sum(l.router.size * 4 for l in layers)
+  kv_row = 2 * tcfg.num_layers * tcfg.num_kv_heads * tcfg.head_dim * 2
+  bw, prefix = FLAGS.floor_bandwidth, FLAGS.prefix
+  floor_ms = lambda counts, b: (dense_bytes + int(np.sum(counts)) * expert_bytes
+                                + b * prefix * kv_row) / bw * 1e3
+  print(f"devices {jax.devices()}  target {model.param_bytes(tp) / 1e9:.2f} GB (experts "
+        f"{experts_total / 1e9:.2f}, dense w/o embed {dense_bytes / 1e9:.2f}, routers "
+        f"{router_bytes / 1e9:.3f})  expert {expert_bytes / 1e6:.2f} MB  drafter "
+        f"{model.param_bytes(dp) / 1e9:.2f} GB", flush=True)
+  if "copy" in sections:
+    emit({"section": "copy", "bandwidth_GBps": harness.copy_bandwidth(small) / 1e9})
+
+  if "experts" in sections:
+    def chain(fn):
+      def run(ls, x):
+        for p in ls:
+          w, c = moe.route(p, x, k_top, tcfg.norm_topk_prob)
+          x = x + fn(p, x, w, c)
+        return x
+      return jax.jit(run)
+
+    @jax.jit
+    def count_chain(ls, x):
+      out = []
+      for p in ls:
+        w, c = moe.route(p, x, k_top, tcfg.norm_topk_prob)
+        out.append(moe.distinct_experts(c, e))
+        x = x + moe.grouped(p, x, w, c)
+      return jnp.stack(out)
+
+    for t in harness.ints(FLAGS.tokens):
+      x = jax.random.normal(jax.random.key(t), (t, h), jnp.bfloat16)
+      counts = np.asarray(count_chain(layers, x))
+      floor = (router_bytes + int(counts.sum()) * expert_bytes) / bw * 1e3
+      want = None
+      for name in FLAGS.impls.split(","):
+        if name == "dense" and t > 65:
+          continue
+        try:
+          fn = chain(experts_impl(name, kern.tuning))
+          got = np.asarray(fn(layers, x), np.float32)
+          s = harness.profiling.median_seconds(fn, layers, x, repeats=FLAGS.repeats)
+        except Exception as err:  # pylint: disable=broad-except  (a failed launch is a row)
+          emit({"section": "experts", "impl": name, "tokens": t, "error": str(err)[:300]})
+          continue
+        want = got if want is None else want  # the first impl's output is the yardstick
+        delta = np.abs(got - x.astype(jnp.float32)), np.abs(want - x.astype(jnp.float32))
+        emit({"section": "experts", "impl": name, "tokens": t, "pairs": t * k_top,
+              "distinct_per_layer": float(counts.mean()), "ms": s * 1e3, "floor_ms": floor,
+              "ratio_to_floor": s * 1e3 / floor,
+              "max_rel_diff_vs_first": float(np.max(np.abs(got - want)) / np.max(delta[1]))})
+        del delta
+
+  def random_state(b, t, key):
+    rng = np.random.default_rng(key)
+    cache = harness.random_cache(jax.random.key(key), tcfg, b, prefix + t + 16, prefix)
+    toks = jnp.asarray(rng.integers(0, tcfg.vocab_size, (b, t)), jnp.int32)
+    pos = prefix + jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    mask = jnp.asarray(harness.random_tree_mask(rng, b, t))
+    return toks, pos, cache, mask
+
+  def routed(b, t, key=0):
+    """Distinct experts per layer [L] of a verify of t random tokens per sequence (batch b), the
+    batch's union. Run eagerly (op by op): a compile per shape would cost more than the run."""
+    toks, pos, cache, mask = random_state(b, t, key)
+    counts = []
+    model.forward(tp, tcfg, toks, pos, cache, mask, kernels=counting_kernels(Kernels(), counts))
+    return np.asarray(jnp.stack(counts))
+
+  if "verify" in sections:
+    @jax.jit
+    def verify_forward(p, toks, pos, cache, mask):
+      hidden, _, _, _ = model.forward(p, tcfg, toks, pos, cache, mask, kernels=kern)
+      return jnp.argmax(model.lm_head(p, hidden), axis=-1)
+
+    for t in harness.ints(FLAGS.verify_tokens):
+      counts = routed(1, t)
+      s = harness.profiling.median_seconds(verify_forward, tp, *random_state(1, t, 0),
+                                           repeats=FLAGS.repeats)
+      f = floor_ms(counts, 1)
+      emit({"section": "verify", "tokens": t, "distinct_per_layer": float(counts.mean()),
+            "ms": s * 1e3, "floor_ms": f, "ratio_to_floor": s * 1e3 / f})
+
+  if "loop" in sections:
+    for group in FLAGS.loop_runs.split(";"):
+      b, _, runs = group.partition(":")
+      b, rows = int(b), []
+      for run in runs.split(","):
+        method = run if run in ("ar", "chain") else "ddtree"
+        budget = int(run) if method == "ddtree" else 0
+        lc = decode.LoopConfig(kernels=kern, method=method, max_new_tokens=FLAGS.steps + 1,
+                               num_drafts=0 if method == "ar" else dcfg.num_drafts,
+                               budget=budget)
+        d = (None, None) if method == "ar" else (dp, dcfg)
+        rows.append((run, harness.Case.make(tp, tcfg, d[0], d[1], lc, b, prefix)))
+      compiled = harness.compile_cases([c for _, c in rows], FLAGS.compile_threads)
+      ar_ms = None
+      for (run, case), (loop, _, compile_s) in zip(rows, compiled):
+        t = 1 if run == "ar" else dcfg.block_size if run == "chain" else int(run) + 1
+        counts = routed(b, t, key=t)
+        s = harness.step_seconds(loop, case, FLAGS.repeats) * 1e3
+        ar_ms = ar_ms or s
+        f = floor_ms(counts, b)
+        emit({"section": "loop", "run": run, "batch": b, "verify_tokens": t,
+              "distinct_per_layer": float(counts.mean()), "step_ms": s, "vs_ar": s / ar_ms,
+              "target_floor_ms": f, "ratio_to_floor": s / f, "compile_s": compile_s})
+  print_tables()
+
+
+def print_tables():
+  print("\n== MoE layers alone (router + experts, every layer) vs touched-experts floor")
+  print(f"{'impl':<20}{'T':>6}{'experts/layer':>15}{'ms':>9}{'floor ms':>10}{'ratio':>8}")
+  for r in ROWS:
+    if r["section"] == "experts" and "ms" in r:
+      print(f"{r['impl']:<20}{r['tokens']:>6}{r['distinct_per_layer']:>15.1f}{r['ms']:>9.3f}"
+            f"{r['floor_ms']:>10.3f}{r['ratio_to_floor']:>8.2f}  (max diff vs first impl "
+            f"{r['max_rel_diff_vs_first']:.1e} of the update)")
+  print("\n== Target forward of T tokens (batch 1) vs touched-experts floor")
+  print(f"{'T':>6}{'experts/layer':>15}{'ms':>9}{'floor ms':>10}{'ratio':>8}")
+  for r in ROWS:
+    if r["section"] == "verify":
+      print(f"{r['tokens']:>6}{r['distinct_per_layer']:>15.1f}{r['ms']:>9.3f}"
+            f"{r['floor_ms']:>10.3f}{r['ratio_to_floor']:>8.2f}")
+  print("\n== Decode loop step (AR, chain, DDTree by budget)")
+  print(f"{'run':<7}{'batch':>6}{'T':>5}{'experts/layer':>15}{'step ms':>10}{'x AR':>7}"
+        f"{'floor ms':>10}{'ratio':>8}")
+  for r in ROWS:
+    if r["section"] == "loop":
+      print(f"{r['run']:<7}{r['batch']:>6}{r['verify_tokens']:>5}"
+            f"{r['distinct_per_layer']:>15.1f}{r['step_ms']:>10.3f}{r['vs_ar']:>7.2f}"
+            f"{r['target_floor_ms']:>10.3f}{r['ratio_to_floor']:>8.2f}")
+
+
+if __name__ == "__main__":
+  engine.define_compilation_cache_flags(default=False)
+  app.run(main)
