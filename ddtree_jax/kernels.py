@@ -162,9 +162,8 @@ class Kernels:
     from ddtree_jax import moe as moe_lib  # pylint: disable=import-outside-toplevel
     experts = moe_lib.grouped
     if self.attention == "pallas":
-      from ddtree_jax.pallas.grouped_gemm import expert_matmul  # pylint: disable=import-outside-toplevel
-      experts = functools.partial(moe_lib.grouped, matmul=functools.partial(
-          expert_matmul, tuning=self.tuning))
+      from ddtree_jax.pallas.grouped_gemm import expert_ops  # pylint: disable=import-outside-toplevel
+      experts = functools.partial(moe_lib.grouped, ops=expert_ops(self.tuning))
     if self.mesh is not None:
       return shard_moe(experts, self.mesh, self._rules)
 

@@ -9,12 +9,14 @@ ever dropped (a dropped token would change the output against AR). A row's outpu
 its own routing alone, never on which other rows share the batch.
 
   reference  every expert on every row, then the routing weights pick (tests; E x the work)
-  grouped    the (row, expert) pairs sorted by expert, two `lax.ragged_dot`s over the groups
+  grouped    the (row, expert) pairs sorted by expert, gate/up and down GEMMs over the groups,
+             a weighted combine per row (XLA's ragged_dot or the Pallas kernels: `ExpertOps`)
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -75,19 +77,41 @@ def sort_pairs(experts, num_experts: int):
   return order, sizes[:num_experts]
 
 
-def grouped(params: MoEParams, x, weights, experts, matmul=jax.lax.ragged_dot):
-  """The sorted pairs through `matmul` (lhs [M, K], rhs [E, K, N], group_sizes [E] -> [M, N]:
-  `lax.ragged_dot` or a Pallas grouped GEMM; rows past sum(group_sizes) are left undefined),
-  unsorted, then summed in rank order."""
+def xla_gate_up(xs, w_gate_up, sizes):
+  """xs [M, H] sorted pairs, w_gate_up [E, H, 2, I], sizes [E] -> silu(gate) * up [M, I]."""
+  e, h, _, i = w_gate_up.shape
+  gu = jax.lax.ragged_dot(xs, w_gate_up.reshape(e, h, 2 * i), sizes)
+  return _swiglu(gu.reshape(-1, 2, i)).astype(xs.dtype)
+
+
+def xla_combine(y, position, weights):
+  """y [M, H] sorted pairs' outputs, position [R, k] of each row's pairs in y (-1: elsewhere),
+  weights [R, k] -> [R, H]: the weighted sum over ranks j = 0..k-1 in order."""
+  picked = y[jnp.maximum(position, 0)].astype(weights.dtype)              # [R, k, H]
+  return _sum_ranks(jnp.where((position >= 0)[:, :, None], picked, 0), weights)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertOps:
+  """The three stages of `grouped` over the sorted pairs (rows past sum(sizes) undefined):
+  gate_up (xs [M, H], w_gate_up, sizes [E]) -> [M, I]; down (a [M, I], w_down, sizes) -> [M, H]
+  (`lax.ragged_dot`'s contract); combine (y, position, weights) -> [R, H] as `xla_combine`."""
+  gate_up: Callable = xla_gate_up
+  down: Callable = jax.lax.ragged_dot
+  combine: Callable = xla_combine
+
+
+def grouped(params: MoEParams, x, weights, experts, ops: ExpertOps = ExpertOps()):
+  """The (row, expert) pairs sorted by expert through `ops` (XLA's ragged_dot by default; the
+  Pallas kernels: `pallas.grouped_gemm.expert_ops`), then each row's pairs summed in rank order."""
   r, k = experts.shape
-  e, h, _, i = params.w_gate_up.shape
+  e = params.w_gate_up.shape[0]
   order, sizes = sort_pairs(experts, e)
   xs = x[order // k]                                                   # [R*k, H]
-  gu = matmul(xs, params.w_gate_up.reshape(e, h, 2 * i), sizes).reshape(r * k, 2, i)
-  y = matmul(_swiglu(gu).astype(x.dtype), params.w_down, sizes)        # [R*k, H]
-  inverse = jnp.zeros_like(order).at[order].set(jnp.arange(r * k, dtype=order.dtype))
-  y = y[inverse].reshape(r, k, h).astype(x.dtype)
-  return _sum_ranks(jnp.where((experts < e)[:, :, None], y, 0), weights)
+  y = ops.down(ops.gate_up(xs, params.w_gate_up, sizes), params.w_down, sizes)  # [R*k, H]
+  position = jnp.zeros_like(order).at[order].set(jnp.arange(r * k, dtype=order.dtype))
+  position = jnp.where(experts < e, position.reshape(r, k), -1)
+  return ops.combine(y, position, weights.astype(jnp.float32)).astype(x.dtype)
 
 
 def distinct_experts(experts, num_experts: int):

@@ -12,7 +12,7 @@ import ddtree_jax as dj
 from conftest import FIXTURES
 from ddtree_jax import checkpoint, hf_export, kernels, model, moe, sharding
 from ddtree_jax.config import ModelConfig
-from ddtree_jax.pallas.grouped_gemm import grouped_matmul, tiles
+from ddtree_jax.pallas.grouped_gemm import combine, expert_ops, grouped_matmul, tiles
 from ddtree_jax.safetensors_io import CheckpointError, read_safetensors, write_safetensors
 from helpers import (cached_decode_logits, copy_fixture, edit_config, oracle_drafter,
                      write_drafter)
@@ -33,6 +33,11 @@ def _close(a, b, rel=1e-4):
   assert np.max(np.abs(a - b)) <= rel * np.max(np.abs(b)), np.max(np.abs(a - b))
 
 
+def _pallas(*args, blocks=(16, 16, 16)):
+  """moe.grouped on the Pallas kernels (interpret mode), small tiles: several per expert."""
+  return moe.grouped(*args, ops=expert_ops(kernels.KernelTuning(), blocks))
+
+
 def _experts(seed=0, e=8, h=32, i=24, r=11, k=3):
   key = jax.random.key(seed)
   params = moe.init_params(key, h, e, i, jnp.float32, std=0.3)
@@ -48,9 +53,8 @@ def test_grouped_equals_reference_and_rows_are_independent():
   params, x, w, ex = _experts()
   want = moe.reference(params, x, w, ex)
   _close(moe.grouped(params, x, w, ex), want, 1e-5)
-  pallas = lambda *a: moe.grouped(*a, matmul=grouped_matmul)
-  _close(pallas(params, x, w, ex), want, 1e-5)
-  for fn in (moe.grouped, pallas):  # a row alone gives what it gives in the batch
+  _close(_pallas(params, x, w, ex), want, 1e-5)
+  for fn in (moe.grouped, _pallas):  # a row alone gives what it gives in the batch
     alone = jnp.concatenate([fn(params, x[r:r + 1], w[r:r + 1], ex[r:r + 1]) for r in range(4)])
     _close(alone, fn(params, x, w, ex)[:4], 1e-6)
 
@@ -74,8 +78,7 @@ def test_elsewhere_pairs_add_nothing():
   gone = jnp.where(ex == 2, 8, ex)
   kept = jnp.where(ex == 2, jnp.zeros_like(w), w)
   want = moe.reference(params, x, kept, ex)
-  for fn in (moe.reference, moe.grouped,
-             lambda *a: moe.grouped(*a, matmul=grouped_matmul)):
+  for fn in (moe.reference, moe.grouped, _pallas):
     _close(fn(params, x, w, gone), want, 1e-5)
 
 
@@ -99,6 +102,27 @@ def test_pallas_grouped_matmul_equals_ragged_dot(m, e, block_m):
     covered[r0:r0 + n] += 1
     assert n == 0 or set(owner[r0:r0 + n]) == {g}
   assert (covered == 1).all()
+
+
+def test_pallas_swiglu_gate_up_and_combine_equal_xla():
+  """The fused gate/up + SwiGLU launch and the combine kernel against moe's XLA forms; the
+  combine ignores elsewhere pairs (-1) even where their rows hold garbage (NaN)."""
+  rng = np.random.default_rng(5)
+  sizes = jnp.asarray([3, 0, 6, 1], jnp.int32)
+  xs = jnp.asarray(rng.normal(size=(12, 40)), jnp.float32)        # 2 rows past sum(sizes)
+  w = jnp.asarray(rng.normal(size=(4, 40, 2, 24)), jnp.float32)
+  want = moe.xla_gate_up(xs, w, sizes)[:10]
+  _close(grouped_matmul(xs, w, sizes, block_m=4, block_n=16, block_k=16, swiglu=True)[:10],
+         want, 1e-5)
+  y = jnp.asarray(rng.normal(size=(10, 40)), jnp.float32).at[7].set(jnp.nan)
+  position = jnp.asarray([[0, 3, -1], [9, -1, 7], [2, 1, 5]], jnp.int32)
+  position = jnp.where(position == 7, -1, position)                 # row 7: NaN, never picked
+  weights = jnp.asarray(rng.uniform(size=(3, 3)), jnp.float32)
+  got = combine(y, position, weights, block_h=16)
+  _close(got, moe.xla_combine(y, position, weights), 1e-6)
+  assert np.isfinite(np.asarray(got)).all()
+  with pytest.raises(ValueError, match=r"\[E, K, 2, N\]"):
+    grouped_matmul(xs, w.reshape(4, 40, 48), sizes, swiglu=True)
 
 
 def test_grouped_matmul_refuses_mismatched_operands():

@@ -1,15 +1,20 @@
-"""Pallas (Triton GPU) grouped GEMM for mixture-of-experts layers, `lax.ragged_dot`'s contract:
-lhs [M, K] whose rows come in consecutive groups (group_sizes [E], summing to M), rhs [E, K, N];
-row r of group g gives lhs[r] @ rhs[g].
+"""Pallas (Triton GPU) kernels of a mixture-of-experts layer over its (row, expert) pairs sorted
+by expert (`moe.grouped`, whose `ExpertOps` they fill: `expert_ops`).
 
-The rows are cut into tiles of block_m rows that never straddle two groups; one program per
-(tile, block of N columns) loops over K and multiplies its rows by its group's weight block. So a
-group's weights are read once per tile (once at decode, where a group holds a few rows), and a
-group with no rows (an expert no token chose) has no tile: its weights are never read. The tile
-list is computed on device from group_sizes, so one compiled program serves every routing:
-there are at most min(M, ceil(M / block_m) + E) tiles, and programs past the last one exit.
-Rows past sum(group_sizes) are not written. Offsets are 32-bit: rhs must hold < 2^31 elements
-(`expert_matmul` falls back to `lax.ragged_dot` above that).
+grouped_matmul: `lax.ragged_dot`'s contract, lhs [M, K] whose rows come in consecutive groups
+(group_sizes [E], summing to M), rhs [E, K, N]; row r of group g gives lhs[r] @ rhs[g]. The rows
+are cut into tiles of block_m rows that never straddle two groups; one program per (tile, block
+of N columns) loops over K and multiplies its rows by its group's weight block. So a group's
+weights are read once per tile (once at decode, where a group holds a few rows), and a group with
+no rows (an expert no token chose) has no tile: its weights are never read. The tile list is
+computed on device from group_sizes, so one compiled program serves every routing: there are at
+most min(M, ceil(M / block_m) + E) tiles, and programs past the last one exit. Rows past
+sum(group_sizes) are not written. With swiglu the gate and up projections are one launch and
+the activation is applied to their float32 accumulators. Offsets are 32-bit: rhs must hold
+< 2^31 elements (`expert_ops` falls back to `lax.ragged_dot` above that).
+
+combine: each token row's k pair outputs gathered from the sorted rows and summed with their
+router weights in rank order, one launch (XLA's form is a gather and 2k elementwise kernels).
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ def tiles(group_sizes, m: int, block_m: int):
   tile_end = jnp.cumsum(per_group)
   row_start = jnp.cumsum(sizes) - sizes
   t = jnp.arange(slots, dtype=jnp.int32)
-  group = jnp.minimum(jnp.searchsorted(tile_end, t, side="right"), e - 1).astype(jnp.int32)
+  group = jnp.minimum(jnp.searchsorted(tile_end, t, side="right", method="compare_all"),
+                      e - 1).astype(jnp.int32)  # (one fusion; the default "scan" is a loop)
   first_tile = tile_end[group] - per_group[group]
   row0 = row_start[group] + (t - first_tile) * block_m
   rows = jnp.clip(row_start[group] + sizes[group] - row0, 0, block_m)
@@ -42,7 +48,7 @@ def tiles(group_sizes, m: int, block_m: int):
 
 
 def _kernel(group_ref, row0_ref, rows_ref, x_ref, w_ref, o_ref, *, block_m, block_n, block_k,
-            k_dim, n_dim):
+            k_dim, n_dim, swiglu):
   rows, n0 = rows_ref[()], pl.program_id(1) * block_n  # (program_id outside the when: interpret)
 
   @pl.when(rows > 0)
@@ -50,31 +56,42 @@ def _kernel(group_ref, row0_ref, rows_ref, x_ref, w_ref, o_ref, *, block_m, bloc
     g, r0 = group_ref[()], row0_ref[()]
     row_ok = jnp.arange(block_m) < rows
     col_ok = (n0 + jnp.arange(block_n)) < n_dim
+    dot = lambda a, b: lax.dot_general(a, b, (((1,), (0,)), ((), ())),
+                                       preferred_element_type=jnp.float32)
 
-    def step(i, acc):
+    def step(i, accs):
       k0 = i * block_k
       k_ok = (k0 + jnp.arange(block_k)) < k_dim
       x = plgpu.load(x_ref.at[pl.ds(r0, block_m), pl.ds(k0, block_k)],
                      mask=row_ok[:, None] & k_ok[None, :], other=0)
-      w = plgpu.load(w_ref.at[g, pl.ds(k0, block_k), pl.ds(n0, block_n)],
-                     mask=k_ok[:, None] & col_ok[None, :], other=0)
-      return acc + lax.dot_general(x, w, (((1,), (0,)), ((), ())),
-                                   preferred_element_type=jnp.float32)
+      w = lambda c0: plgpu.load(w_ref.at[g, pl.ds(k0, block_k), pl.ds(c0 + n0, block_n)],
+                                mask=k_ok[:, None] & col_ok[None, :], other=0)
+      # swiglu: columns [0, N) of w are the gate, [N, 2N) the up projection
+      return tuple(acc + dot(x, w(half * n_dim)) for half, acc in enumerate(accs))
 
-    acc = lax.fori_loop(0, pl.cdiv(k_dim, block_k), step,
-                        jnp.zeros((block_m, block_n), jnp.float32))
-    plgpu.store(o_ref.at[pl.ds(r0, block_m), pl.ds(n0, block_n)], acc.astype(o_ref.dtype),
+    zero = jnp.zeros((block_m, block_n), jnp.float32)
+    accs = lax.fori_loop(0, pl.cdiv(k_dim, block_k), step, (zero, zero) if swiglu else (zero,))
+    out = jax.nn.silu(accs[0]) * accs[1] if swiglu else accs[0]
+    plgpu.store(o_ref.at[pl.ds(r0, block_m), pl.ds(n0, block_n)], out.astype(o_ref.dtype),
                 mask=row_ok[:, None] & col_ok[None, :])
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "num_warps",
-                                             "num_stages", "interpret"))
+                                             "num_stages", "swiglu", "interpret"))
 def grouped_matmul(lhs, rhs, group_sizes, *, block_m: int = 16, block_n: int = 128,
-                   block_k: int = 64, num_warps: int = 4, num_stages: int = 2, interpret=None):
+                   block_k: int = 64, num_warps: int = 4, num_stages: int = 2,
+                   swiglu: bool = False, interpret=None):
   """lhs [M, K], rhs [E, K, N], group_sizes [E] int (summing to M) -> [M, N] in lhs's dtype,
-  accumulated in float32. interpret: None = interpret mode on a CPU backend."""
+  accumulated in float32. swiglu: rhs [E, K, 2, N] (gate, up) -> silu(lhs @ gate) * (lhs @ up)
+  [M, N], the activation applied to the float32 accumulators. interpret: None = interpret mode
+  on a CPU backend."""
+  if swiglu:
+    if rhs.ndim != 4 or rhs.shape[2] != 2:
+      raise ValueError(f"grouped_matmul(swiglu=True): rhs must be [E, K, 2, N], got {rhs.shape}")
+    rhs = rhs.reshape(rhs.shape[0], rhs.shape[1], -1)
   m, k_dim = lhs.shape
   e, k2, n_dim = rhs.shape
+  n_dim //= 2 if swiglu else 1
   if k2 != k_dim or group_sizes.shape != (e,):
     raise ValueError(f"grouped_matmul: lhs {lhs.shape}, rhs {rhs.shape}, group_sizes "
                      f"{group_sizes.shape} do not match")
@@ -90,9 +107,9 @@ def grouped_matmul(lhs, rhs, group_sizes, *, block_m: int = 16, block_n: int = 1
   whole = lambda shape: pl.BlockSpec(shape, lambda t, n: (0,) * len(shape))
   return pl.pallas_call(
       functools.partial(_kernel, block_m=block_m, block_n=block_n, block_k=block_k,
-                        k_dim=k_dim, n_dim=n_dim),
+                        k_dim=k_dim, n_dim=n_dim, swiglu=swiglu),
       grid=(group.shape[0], pl.cdiv(n_dim, block_n)),
-      in_specs=[scalar, scalar, scalar, whole((m, k_dim)), whole((e, k_dim, n_dim))],
+      in_specs=[scalar, scalar, scalar, whole((m, k_dim)), whole(rhs.shape)],
       out_specs=whole((m, n_dim)),
       out_shape=jax.ShapeDtypeStruct((m, n_dim), lhs.dtype),
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
@@ -101,13 +118,64 @@ def grouped_matmul(lhs, rhs, group_sizes, *, block_m: int = 16, block_n: int = 1
   )(group, row0, rows, lhs, rhs)
 
 
-def expert_matmul(lhs, rhs, group_sizes, *, tuning):
-  """`grouped_matmul` with the launch `tuning.moe_blocks` picks for lhs's rows
-  (`kernels.KernelTuning`), or `lax.ragged_dot` where it picks none or where rhs is too large
-  for the kernel's 32-bit offsets."""
-  blocks = tuning.moe_blocks(lhs.shape[0])
-  if blocks is None or rhs.size >= 1 << 31:
-    return lax.ragged_dot(lhs, rhs, group_sizes)
-  bm, bn, bk = blocks
-  return grouped_matmul(lhs, rhs, group_sizes, block_m=bm, block_n=bn, block_k=bk,
-                        interpret=tuning.interpret)
+def _combine_kernel(*refs, k, block_h, h_dim):
+  pos_refs, w_refs, (y_ref, o_ref) = refs[:k], refs[k:2 * k], refs[2 * k:]
+  r, h0 = pl.program_id(0), pl.program_id(1) * block_h
+  col_ok = (h0 + jnp.arange(block_h)) < h_dim
+  acc = jnp.zeros((1, block_h), jnp.float32)
+  for j in range(k):  # rank order, as moe.xla_combine
+    p = pos_refs[j][()]
+    row = plgpu.load(y_ref.at[pl.ds(jnp.maximum(p, 0), 1), pl.ds(h0, block_h)],
+                     mask=col_ok[None, :], other=0).astype(jnp.float32)
+    acc = jnp.where(p >= 0, acc + w_refs[j][()] * row, acc)
+  plgpu.store(o_ref.at[pl.ds(r, 1), pl.ds(h0, block_h)], acc, mask=col_ok[None, :])
+
+
+@functools.partial(jax.jit, static_argnames=("block_h", "interpret"))
+def combine(y, position, weights, *, block_h: int = 256, interpret=None):
+  """`moe.xla_combine` in one launch: y [M, H], position [R, k] (-1: elsewhere), weights [R, k]
+  float32 -> [R, H] float32, each row's k pair outputs gathered and summed in rank order."""
+  r, k = position.shape
+  h_dim = y.shape[1]
+  if weights.shape != (r, k):
+    raise ValueError(f"combine: position {position.shape} and weights {weights.shape} differ")
+  if interpret is None:
+    interpret = jax.default_backend() == "cpu"
+  rank = lambda j: pl.BlockSpec((None, None), lambda i, h, j=j: (j, i))
+  whole = lambda shape: pl.BlockSpec(shape, lambda i, h: (0,) * len(shape))
+  return pl.pallas_call(
+      functools.partial(_combine_kernel, k=k, block_h=block_h, h_dim=h_dim),
+      grid=(r, pl.cdiv(h_dim, block_h)),
+      in_specs=[rank(j) for j in range(k)] * 2 + [whole(y.shape)],
+      out_specs=whole((r, h_dim)),
+      out_shape=jax.ShapeDtypeStruct((r, h_dim), jnp.float32),
+      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+      interpret=interpret,
+      name="moe_combine",
+  )(*[position.T.astype(jnp.int32)] * k, *[weights.T.astype(jnp.float32)] * k, y)
+
+
+def expert_ops(tuning, blocks: tuple[int, int, int] | None = None):
+  """`moe.ExpertOps` on these kernels: the gate/up GEMM with its SwiGLU fused, the down GEMM,
+  the combine; tiles from `blocks` (block_m, block_n, block_k) or, when None, from
+  `tuning.moe_blocks` (`kernels.KernelTuning`) for the step's pairs. Where the rule picks
+  none, or the weights are too large for 32-bit offsets, the GEMMs are `lax.ragged_dot`'s."""
+  from ddtree_jax import moe  # pylint: disable=import-outside-toplevel
+
+  def launch(lhs, rhs):
+    b = blocks or tuning.moe_blocks(lhs.shape[0])
+    if b is None or rhs.size >= 1 << 31:
+      return None
+    return dict(block_m=b[0], block_n=b[1], block_k=b[2], interpret=tuning.interpret)
+
+  def gate_up(xs, w, sizes):
+    kw = launch(xs, w)
+    return (moe.xla_gate_up(xs, w, sizes) if kw is None
+            else grouped_matmul(xs, w, sizes, swiglu=True, **kw))
+
+  def down(a, w, sizes):
+    kw = launch(a, w)
+    return jax.lax.ragged_dot(a, w, sizes) if kw is None else grouped_matmul(a, w, sizes, **kw)
+
+  return moe.ExpertOps(gate_up=gate_up, down=down, combine=functools.partial(
+      combine, interpret=tuning.interpret))

@@ -7,12 +7,12 @@
 
 Sections, in one run (rows printed as JSON lines as they are measured, tables at the end):
   copy     the copy bandwidth
+  verify   the whole target forward of T tokens (embedding, 48 layers, lm_head on every row)
+           over the prefix under a random tree mask, Pallas kernels: T = 1 is the AR forward
   experts  the 48 MoE layers alone (x <- x + moe(x), router included) over T token rows, for each
            expert-GEMM implementation (--impls): XLA's ragged_dot, the Pallas grouped GEMM at
            given tiles, one dense einsum over all experts; against the floor of the experts the
            rows touch
-  verify   the whole target forward of T tokens (embedding, 48 layers, lm_head on every row)
-           over the prefix under a random tree mask, Pallas kernels: T = 1 is the AR forward
   loop     the decode loop's step (lax.while_loop, Pallas kernels): AR, chain and DDTree by
            budget at each batch, with the distinct experts the verify of B + 1 random tokens
            routes to per layer (the batch's union)
@@ -23,6 +23,7 @@ the same run, from the same inputs' routing). Random weights route near uniforml
 router concentrates more, so real trees touch fewer experts.
 """
 
+import functools
 import json
 
 from absl import app, flags
@@ -38,7 +39,8 @@ flags.DEFINE_bool("small", False, "tiny shapes (CPU smoke run)")
 flags.DEFINE_string("sections", "copy,experts,verify,loop", "comma list of: copy, experts, "
                     "verify, loop")
 flags.DEFINE_string("tokens", "1,17,65,2048", "experts section: token rows T")
-flags.DEFINE_string("impls", "xla,pallas:16x64x128,pallas:16x128x64", "experts section: xla (ragged_dot), pallas (KernelTuning's rule), "
+flags.DEFINE_string("impls", "xla,pallas:16x64x128,pallas:16x128x64,pallas:64x128x64",
+                    "experts section: xla (ragged_dot), pallas (KernelTuning's rule), "
                     "pallas:BMxBNxBK (fixed tiles), dense (every expert; T <= 65 only)")
 flags.DEFINE_string("verify_tokens", "1,9,17,33,65", "verify section: tokens T (batch 1)")
 flags.DEFINE_string("loop_runs", "1:ar,chain,1,4,16,32,64,128,512;8:ar,chain,4,16,64,128",
@@ -65,18 +67,16 @@ def emit(row):
 
 def experts_impl(name: str, tuning: KernelTuning):
   """An experts implementation (params, x, weights, chosen) -> [R, H] by --impls name."""
-  from ddtree_jax.pallas.grouped_gemm import expert_matmul, grouped_matmul  # pylint: disable=import-outside-toplevel
+  from ddtree_jax.pallas.grouped_gemm import expert_ops  # pylint: disable=import-outside-toplevel
   if name == "xla":
     return moe.grouped
   if name == "dense":
     return moe.reference
   if name == "pallas":
-    return lambda *a: moe.grouped(*a, matmul=lambda l, r, g: expert_matmul(l, r, g,
-                                                                            tuning=tuning))
+    return functools.partial(moe.grouped, ops=expert_ops(tuning))
   if name.startswith("pallas:"):
-    bm, bn, bk = (int(v) for v in name[len("pallas:"):].split("x"))
-    return lambda *a: moe.grouped(*a, matmul=lambda l, r, g: grouped_matmul(
-        l, r, g, block_m=bm, block_n=bn, block_k=bk, interpret=tuning.interpret))
+    blocks = tuple(int(v) for v in name[len("pallas:"):].split("x"))
+    return functools.partial(moe.grouped, ops=expert_ops(tuning, blocks))
   raise app.UsageError(f"--impls: unknown {name!r}")
 
 
@@ -119,6 +119,36 @@ def main(_):
   if "copy" in sections:
     emit({"section": "copy", "bandwidth_GBps": harness.copy_bandwidth(small) / 1e9})
 
+  def random_state(b, t, key):
+    rng = np.random.default_rng(key)
+    cache = harness.random_cache(jax.random.key(key), tcfg, b, prefix + t + 16, prefix)
+    toks = jnp.asarray(rng.integers(0, tcfg.vocab_size, (b, t)), jnp.int32)
+    pos = prefix + jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    mask = jnp.asarray(harness.random_tree_mask(rng, b, t))
+    return toks, pos, cache, mask
+
+  def routed(b, t, key=0):
+    """Distinct experts per layer [L] of a verify of t random tokens per sequence (batch b), the
+    batch's union. Run eagerly (op by op): a compile per shape would cost more than the run."""
+    toks, pos, cache, mask = random_state(b, t, key)
+    counts = []
+    model.forward(tp, tcfg, toks, pos, cache, mask, kernels=counting_kernels(Kernels(), counts))
+    return np.asarray(jnp.stack(counts))
+
+  if "verify" in sections:
+    @jax.jit
+    def verify_forward(p, toks, pos, cache, mask):
+      hidden, _, _, _ = model.forward(p, tcfg, toks, pos, cache, mask, kernels=kern)
+      return jnp.argmax(model.lm_head(p, hidden), axis=-1)
+
+    for t in harness.ints(FLAGS.verify_tokens):
+      counts = routed(1, t)
+      s = harness.profiling.median_seconds(verify_forward, tp, *random_state(1, t, 0),
+                                           repeats=FLAGS.repeats)
+      f = floor_ms(counts, 1)
+      emit({"section": "verify", "tokens": t, "distinct_per_layer": float(counts.mean()),
+            "ms": s * 1e3, "floor_ms": f, "ratio_to_floor": s * 1e3 / f})
+
   if "experts" in sections:
     def chain(fn):
       def run(ls, x):
@@ -159,36 +189,6 @@ def main(_):
               "ratio_to_floor": s * 1e3 / floor,
               "max_rel_diff_vs_first": float(np.max(np.abs(got - want)) / np.max(delta[1]))})
         del delta
-
-  def random_state(b, t, key):
-    rng = np.random.default_rng(key)
-    cache = harness.random_cache(jax.random.key(key), tcfg, b, prefix + t + 16, prefix)
-    toks = jnp.asarray(rng.integers(0, tcfg.vocab_size, (b, t)), jnp.int32)
-    pos = prefix + jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    mask = jnp.asarray(harness.random_tree_mask(rng, b, t))
-    return toks, pos, cache, mask
-
-  def routed(b, t, key=0):
-    """Distinct experts per layer [L] of a verify of t random tokens per sequence (batch b), the
-    batch's union. Run eagerly (op by op): a compile per shape would cost more than the run."""
-    toks, pos, cache, mask = random_state(b, t, key)
-    counts = []
-    model.forward(tp, tcfg, toks, pos, cache, mask, kernels=counting_kernels(Kernels(), counts))
-    return np.asarray(jnp.stack(counts))
-
-  if "verify" in sections:
-    @jax.jit
-    def verify_forward(p, toks, pos, cache, mask):
-      hidden, _, _, _ = model.forward(p, tcfg, toks, pos, cache, mask, kernels=kern)
-      return jnp.argmax(model.lm_head(p, hidden), axis=-1)
-
-    for t in harness.ints(FLAGS.verify_tokens):
-      counts = routed(1, t)
-      s = harness.profiling.median_seconds(verify_forward, tp, *random_state(1, t, 0),
-                                           repeats=FLAGS.repeats)
-      f = floor_ms(counts, 1)
-      emit({"section": "verify", "tokens": t, "distinct_per_layer": float(counts.mean()),
-            "ms": s * 1e3, "floor_ms": f, "ratio_to_floor": s * 1e3 / f})
 
   if "loop" in sections:
     for group in FLAGS.loop_runs.split(";"):

@@ -3,6 +3,7 @@
   python -m experiments.perf.profile_step --runs=ar,32,64 --batch=1        # H200, Qwen3-8B shape
   python -m experiments.perf.profile_step --runs=ar --batch=1 --mesh_tp=2  # tp=2: collectives too
   python -m experiments.perf.profile_step --small --runs=ar,8              # CPU smoke
+  python -m experiments.perf.profile_step --shape=qwen3-30b-a3b --runs=ar,16 --attention=pallas
 
 Same shapes and random weights as bench_step.py (harness.py). Per run: compile, one warm-up loop,
 then one loop of --steps steps under jax.profiler with a Perfetto trace, which this script reads
@@ -40,6 +41,7 @@ from experiments.perf.trace import (KINDS, kernel_events, op_stages, print_memcp
                                     stage_table, summarize)
 
 flags.DEFINE_bool("small", False, "tiny shapes (CPU smoke run)")
+flags.DEFINE_string("shape", "qwen3-8b", "target shape (harness.SHAPES)")
 flags.DEFINE_string("attention", "xla", "xla or pallas")
 flags.DEFINE_integer("steps", 32, "decode steps traced per run")
 flags.DEFINE_string("runs", "ar,32,64", "ar, chain or ddtree budgets")
@@ -79,7 +81,7 @@ def main(_):
   except ValueError as e:
     raise app.UsageError(str(e)) from None
   mesh = sharding.mesh_from_flags()
-  tcfg = harness.target_config(small)
+  tcfg = harness.target_config(small, FLAGS.shape)
   tp = harness.random_target(tcfg, jax.random.key(0), mesh)
   dp, dcfg = harness.random_drafter(tcfg, jax.random.key(1), small)
   name = "int8" if FLAGS.drafter_int8 else "bf16"
