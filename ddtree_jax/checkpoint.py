@@ -10,6 +10,7 @@ import glob
 import json
 import logging
 import os
+import re
 from typing import Any
 
 import jax
@@ -20,7 +21,8 @@ from ddtree_jax import files, sharding
 from ddtree_jax.config import ModelConfig, config_from_hf
 from ddtree_jax.model import Params
 from ddtree_jax.safetensors_io import CheckpointError, read_safetensors
-from ddtree_jax.tensor_reader import TensorReader
+from ddtree_jax.tensor_reader import SKIPPED_TENSORS, TensorReader
+
 
 def read_checkpoint_tensors(path: str) -> dict[str, np.ndarray]:
   """All tensors of an HF directory: model.safetensors or a sharded index whose shards lie
@@ -75,7 +77,7 @@ def read_config(path: str) -> dict[str, Any]:
 
 
 # Leaves kept in float32 whatever the weights' dtype.
-FLOAT32_LEAVES = ("router",)
+FLOAT32_LEAVES = ("router", "bias")
 
 
 def place(host_tree, dtype, shardings=None):
@@ -156,14 +158,47 @@ def _place_sharded(host, dtype, mesh, rules):
   return place(host, dtype, sharding.shardings(host, sharding.check_mesh(mesh), rules))
 
 
+def fp8_block_size(raw: dict[str, Any], source: str) -> tuple[int, int] | None:
+  """The FP8 block size of config.json's `quantization_config` (DeepSeek-V3's format:
+  quant_method "fp8", e4m3, `weight_block_size`), None without one; other formats refused."""
+  q = raw.get("quantization_config")
+  if q is None:
+    return None
+  method = q.get("quant_method") if isinstance(q, dict) else None
+  block = q.get("weight_block_size") if isinstance(q, dict) else None
+  if method != "fp8" or q.get("fmt", "e4m3") != "e4m3":
+    raise ValueError(f"{source}: unsupported quantization_config quant_method={method!r} "
+                     f"fmt={q.get('fmt') if isinstance(q, dict) else None!r} (supported: "
+                     "block-quantised 'fp8' e4m3, DeepSeek-V3's format)")
+  if (not isinstance(block, list) or len(block) != 2
+      or not all(isinstance(b, int) and b > 0 for b in block)):
+    raise ValueError(f"{source}: fp8 quantization_config needs weight_block_size [rows, cols], "
+                     f"got {block!r}")
+  return block[0], block[1]
+
+
+def _mtp_layers(raw: dict[str, Any], cfg: ModelConfig) -> tuple[re.Pattern, ...]:
+  """Skip patterns for DeepSeek's multi-token-prediction layers (num_nextn_predict_layers
+  layers after the last decoder layer): not part of the target's forward."""
+  extra = raw.get("num_nextn_predict_layers") or 0
+  if not extra:
+    return ()
+  logging.info("skipping %d multi-token-prediction layer(s) (num_nextn_predict_layers) at load",
+               extra)
+  ids = "|".join(str(cfg.num_layers + j) for j in range(extra))
+  return (re.compile(rf"^model\.layers\.({ids})\."),)
+
+
 def load_target_params(path: str, cfg: ModelConfig, dtype, mesh=None, rules=None,
-                       fuse_qkv: bool = False) -> Params:
+                       fuse_qkv: bool = False, raw: dict[str, Any] | None = None) -> Params:
   """The target's weights on the device (or `mesh`); fuse_qkv (one device): `model.fuse_qkv`'s
-  layout, concatenated on the host."""
+  layout, concatenated on the host. raw: config.json's dict (FP8 blocks, MTP layers)."""
   if fuse_qkv and mesh is not None:
     raise ValueError("fuse_qkv is for one device: on a mesh q and kv heads shard on their own "
                      "axes (load with fuse_qkv=False)")
-  r = TensorReader(read_checkpoint_tensors(path), path)
+  raw = read_config(path) if raw is None else raw
+  source = os.path.join(path, "config.json")
+  r = TensorReader(read_checkpoint_tensors(path), path, fp8_block_size(raw, source))
   v, h = cfg.vocab_size, cfg.hidden_size
   host = Params(
       embed=r.get("model.embed_tokens.weight", (v, h)),
@@ -172,13 +207,15 @@ def load_target_params(path: str, cfg: ModelConfig, dtype, mesh=None, rules=None
       final_norm=r.get("model.norm.weight", (h,)),
       lm_head=None if cfg.tie_word_embeddings else r.linear("lm_head.weight", v, h),
   )
-  r.check_complete(hint=f"Does config.json (num_hidden_layers {cfg.num_layers}, "
+  r.check_complete(skip=SKIPPED_TENSORS + _mtp_layers(raw, cfg),
+                   hint=f"Does config.json (num_hidden_layers {cfg.num_layers}, "
                         f"tie_word_embeddings {cfg.tie_word_embeddings}) describe this checkpoint?")
   return _place_sharded(host, dtype, mesh, rules)
 
 
 def load_target(path: str, dtype="bfloat16", mesh=None, rules=None, fuse_qkv: bool = True) -> Target:
-  """Loads a Hugging Face Qwen3 (dense) or Llama directory (safetensors only).
+  """Loads a Hugging Face Qwen3 (dense or MoE), Llama or DeepSeek-V3 / Kimi-K2 directory
+  (safetensors only; FP8 block-quantised weights dequantised to `dtype`).
 
   With a `mesh` (sharding.make_mesh) every tensor goes straight from the memory map onto its
   shards, laid out by `rules` (default sharding.ShardingRules(): tensor parallel over "tp");
@@ -187,12 +224,14 @@ def load_target(path: str, dtype="bfloat16", mesh=None, rules=None, fuse_qkv: bo
   layout, concatenated on the host: one projection GEMM per layer) unless fuse_qkv=False; fused
   params cannot be sharded (nor an orbax checkpoint of them restored onto a mesh).
   """
-  cfg = config_from_hf(read_config(path), source=os.path.join(path, "config.json"))
+  raw = read_config(path)
+  cfg = config_from_hf(raw, source=os.path.join(path, "config.json"))
   dtype = parse_dtype(dtype)
   if mesh is not None:
     mesh = sharding.check_mesh(mesh)
     rules = rules or sharding.DEFAULT_RULES
-  params = load_target_params(path, cfg, dtype, mesh, rules, fuse_qkv=mesh is None and fuse_qkv)
+  params = load_target_params(path, cfg, dtype, mesh, rules,
+                              fuse_qkv=mesh is None and fuse_qkv and not cfg.is_mla, raw=raw)
   return Target(params=params, config=cfg, tokenizer=load_tokenizer(path), path=path, mesh=mesh,
                 rules=rules)
 

@@ -1,5 +1,5 @@
 """Model configuration: the frozen dataclass every function closes over, parsed from HF config.json
-(Qwen3 dense, Qwen3-MoE, Llama-3)."""
+(Qwen3 dense, Qwen3-MoE, Llama-3, DeepSeek-V3 / Kimi-K2)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from typing import Any
 
 import numpy as np
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "llama", "deepseek_v3", "kimi_k2")
+DEEPSEEK_TYPES = ("deepseek_v3", "kimi_k2")  # DeepseekV3ForCausalLM; Kimi-K2 names its own type
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +26,8 @@ class ModelConfig:
   head_dim: int
   rms_norm_eps: float = 1e-6
   rope_theta: float = 10000.0
-  rope_scaling: tuple[tuple[str, float], ...] = ()  # llama3 scaling fields, sorted
+  rope_type: str = "default"  # "default", "llama3" or "yarn"
+  rope_scaling: tuple[tuple[str, float], ...] = ()  # the rope_type's scaling fields, sorted
   qk_norm: bool = True
   tie_word_embeddings: bool = False
   eos_token_ids: tuple[int, ...] = ()
@@ -38,6 +40,24 @@ class ModelConfig:
   moe_intermediate_size: int = 0
   norm_topk_prob: bool = False
   moe_layers: tuple[int, ...] = ()
+  # DeepSeekMoE routing (moe.Routing): sigmoid scores plus a selection bias, top-k within the
+  # topk_group best of n_group expert groups, weights times routed_scaling_factor; and
+  # n_shared_experts always-on experts (one dense MLP of n_shared x moe_intermediate_size)
+  scoring_func: str = "softmax"
+  n_group: int = 1
+  topk_group: int = 1
+  routed_scaling_factor: float = 1.0
+  n_shared_experts: int = 0
+  # Multi-head latent attention (DeepSeek-V3) when kv_lora_rank > 0: queries through a rank
+  # q_lora_rank bottleneck (0: a full projection), keys / values from a kv_lora_rank latent
+  # plus one shared RoPE key of qk_rope_head_dim; heads of qk_nope + qk_rope (scores) and
+  # v_head_dim (values). rope_interleave: the checkpoint's RoPE dims come in (even, odd) pairs.
+  q_lora_rank: int = 0
+  kv_lora_rank: int = 0
+  qk_nope_head_dim: int = 0
+  qk_rope_head_dim: int = 0
+  v_head_dim: int = 0
+  rope_interleave: bool = False
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
@@ -56,9 +76,65 @@ class ModelConfig:
     """Is layer `layer`'s MLP a mixture of experts?"""
     return layer in self.moe_layers
 
+  @property
+  def routing(self):
+    """The MoE layers' `moe.Routing`."""
+    from ddtree_jax.moe import Routing  # pylint: disable=import-outside-toplevel
+    return Routing(top_k=self.num_experts_per_tok, norm_topk_prob=self.norm_topk_prob,
+                   scoring=self.scoring_func, n_group=self.n_group, topk_group=self.topk_group,
+                   scaling=self.routed_scaling_factor)
+
+  @property
+  def is_mla(self) -> bool:
+    """Multi-head latent attention (DeepSeek-V3) rather than GQA?"""
+    return self.kv_lora_rank > 0
+
+  @property
+  def rope_dim(self) -> int:
+    """Dims per head that RoPE rotates: qk_rope_head_dim (MLA) or head_dim."""
+    return self.qk_rope_head_dim if self.is_mla else self.head_dim
+
+  @property
+  def cache_layout(self) -> tuple[int, int, int]:
+    """(heads, k width, v width) of a KV cache row per layer: GQA (K, D, D); MLA one latent
+    row (1, kv_lora_rank + qk_rope_head_dim, 0) that serves as both key and value."""
+    if self.is_mla:
+      return 1, self.kv_lora_rank + self.qk_rope_head_dim, 0
+    return self.num_kv_heads, self.head_dim, self.head_dim
+
+  def _yarn_mscale(self, mscale: float) -> float:
+    factor = dict(self.rope_scaling)["factor"]
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+  @property
+  def rope_attention_factor(self) -> float:
+    """YaRN's factor on cos / sin (1 elsewhere): mscale(factor, mscale) / mscale(factor,
+    mscale_all_dim) when both are set, else mscale(factor, 1), as HF's yarn."""
+    if self.rope_type != "yarn":
+      return 1.0
+    s = dict(self.rope_scaling)
+    if s.get("attention_factor"):
+      return s["attention_factor"]
+    if s.get("mscale") and s.get("mscale_all_dim"):
+      return self._yarn_mscale(s["mscale"]) / self._yarn_mscale(s["mscale_all_dim"])
+    return self._yarn_mscale(1.0)
+
+  @property
+  def attention_scale(self) -> float:
+    """The softmax scale: head_dim ** -0.5; MLA (qk_nope + qk_rope) ** -0.5, times
+    mscale(factor, mscale_all_dim) ** 2 under YaRN with mscale_all_dim (DeepSeek-V3, as HF)."""
+    if not self.is_mla:
+      return self.head_dim ** -0.5
+    scale = (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
+    all_dim = dict(self.rope_scaling).get("mscale_all_dim") if self.rope_type == "yarn" else 0
+    return scale * self._yarn_mscale(all_dim) ** 2 if all_dim else scale
+
   def inv_freq(self) -> np.ndarray:
-    """RoPE inverse frequencies [head_dim // 2] (float64), with llama3 scaling when configured."""
-    inv = 1.0 / (self.rope_theta ** (np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim))
+    """RoPE inverse frequencies [rope_dim // 2] (float64), llama3 or YaRN scaled when set."""
+    d = self.rope_dim
+    inv = 1.0 / (self.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    if self.rope_type == "yarn":
+      return self._yarn_inv_freq(inv)
     if not self.rope_scaling:
       return inv
     s = dict(self.rope_scaling)
@@ -71,27 +147,54 @@ class ModelConfig:
     medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
     return np.where(medium, smoothed, scaled)
 
+  def _yarn_inv_freq(self, inv: np.ndarray) -> np.ndarray:
+    """YaRN: interpolated (inv / factor) below the correction range, extrapolated (inv) above,
+    a linear ramp between (HF's truncated correction range)."""
+    s, d = dict(self.rope_scaling), self.rope_dim
+    factor, old_len = s["factor"], s["original_max_position_embeddings"]
+    dim_of = lambda rot: d * math.log(old_len / (rot * 2 * math.pi)) / (2 * math.log(self.rope_theta))
+    low = max(math.floor(dim_of(s.get("beta_fast", 32.0))), 0)
+    high = min(math.ceil(dim_of(s.get("beta_slow", 1.0))), d - 1)
+    high = high + 0.001 if low == high else high
+    ramp = np.clip((np.arange(d // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    extrapolate = 1 - ramp
+    return inv / factor * (1 - extrapolate) + inv * extrapolate
+
 
 # Fields that change the architecture in ways we do not implement: refuse rather than be wrong.
 _REFUSE_IF_TRUE = ("attention_bias", "mlp_bias", "use_sliding_window")
 
 
-def _rope_settings(cfg: dict[str, Any]) -> tuple[float, tuple]:
-  """rope_theta and llama3 scaling from top-level fields or nested `rope_parameters`."""
+_ROPE_FIELDS = {
+    "llama3": (("factor", "low_freq_factor", "high_freq_factor",
+                "original_max_position_embeddings"), ()),
+    "yarn": (("factor", "original_max_position_embeddings"),
+             ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor")),
+}
+
+
+def _rope_settings(cfg: dict[str, Any], allowed=tuple(_ROPE_FIELDS)) -> tuple[float, str, tuple]:
+  """rope_theta, rope_type and its scaling fields from top-level fields or nested
+  `rope_parameters` / `rope_scaling`."""
   params = dict(cfg.get("rope_parameters") or {})
   scaling = dict(cfg.get("rope_scaling") or {})
   merged = {**scaling, **params}
   theta = merged.get("rope_theta", cfg.get("rope_theta", 10000.0))
   rope_type = merged.get("rope_type", merged.get("type", "default"))
   if rope_type == "default":
-    return float(theta), ()
-  if rope_type != "llama3":
-    raise ValueError(f"unsupported rope_type {rope_type!r} (supported: 'default', 'llama3')")
-  keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-  missing = [k for k in keys if k not in merged]
+    return float(theta), "default", ()
+  if rope_type not in allowed:
+    raise ValueError(f"unsupported rope_type {rope_type!r} (supported here: 'default', "
+                     f"{', '.join(repr(k) for k in allowed)})")
+  needed, optional = _ROPE_FIELDS[rope_type]
+  missing = [k for k in needed if merged.get(k) is None]
   if missing:
-    raise ValueError(f"llama3 rope scaling is missing fields {missing}")
-  return float(theta), tuple(sorted((k, float(merged[k])) for k in keys))
+    raise ValueError(f"{rope_type} rope scaling is missing fields {missing}")
+  fields = [(k, float(merged[k])) for k in needed + optional if merged.get(k) is not None]
+  bad = [k for k, v in fields if not math.isfinite(v) or v < 0]
+  if bad:
+    raise ValueError(f"{rope_type} rope scaling fields {bad} must be finite numbers >= 0")
+  return float(theta), rope_type, tuple(sorted(fields))
 
 
 def _positive_int(cfg: dict[str, Any], key: str, source: str, default=None) -> int:
@@ -137,9 +240,64 @@ def _moe_settings(cfg: dict[str, Any], model_type: str, source: str) -> dict[str
               norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), moe_layers=layers)
 
 
+_DEEPSEEK_ROUTERS = {("sigmoid", "noaux_tc"): True, ("softmax", "greedy"): False}  # -> bias
+
+
+def _deepseek_settings(cfg: dict[str, Any], source: str) -> dict[str, Any]:
+  """MLA and DeepSeekMoE fields of a DeepseekV3ForCausalLM config.json (Kimi-K2 too)."""
+  n = cfg["num_hidden_layers"]
+  out: dict[str, Any] = dict(
+      q_lora_rank=0 if cfg.get("q_lora_rank") is None else _positive_int(cfg, "q_lora_rank",
+                                                                          source),
+      kv_lora_rank=_positive_int(cfg, "kv_lora_rank", source),
+      qk_nope_head_dim=_positive_int(cfg, "qk_nope_head_dim", source),
+      qk_rope_head_dim=_positive_int(cfg, "qk_rope_head_dim", source),
+      v_head_dim=_positive_int(cfg, "v_head_dim", source),
+      rope_interleave=bool(cfg.get("rope_interleave", True)))
+  if out["qk_rope_head_dim"] % 2:
+    raise ValueError(f"{source}: qk_rope_head_dim={out['qk_rope_head_dim']} must be even")
+  if cfg.get("n_routed_experts") is None:
+    return out
+  experts = _positive_int(cfg, "n_routed_experts", source)
+  top_k = _positive_int(cfg, "num_experts_per_tok", source)
+  if top_k > experts:
+    raise ValueError(f"{source}: num_experts_per_tok={top_k} exceeds n_routed_experts={experts}")
+  scoring = cfg.get("scoring_func", "sigmoid")  # HF's DeepseekV3 router is sigmoid only
+  method = cfg.get("topk_method", "noaux_tc" if scoring == "sigmoid" else "greedy")
+  if (scoring, method) not in _DEEPSEEK_ROUTERS:
+    raise ValueError(f"{source}: unsupported router scoring_func={scoring!r} with topk_method="
+                     f"{method!r} (supported: {sorted(_DEEPSEEK_ROUTERS)})")
+  groups = _positive_int(cfg, "n_group", source, cfg.get("n_group") or 1)
+  topk_group = _positive_int(cfg, "topk_group", source, cfg.get("topk_group") or 1)
+  if experts % groups or topk_group > groups:
+    raise ValueError(f"{source}: n_group={groups} must divide n_routed_experts={experts} and be "
+                     f">= topk_group={topk_group}")
+  if experts // groups < 2 and groups > 1:
+    raise ValueError(f"{source}: group-limited routing needs >= 2 experts per group")
+  if top_k > topk_group * (experts // groups):
+    raise ValueError(f"{source}: num_experts_per_tok={top_k} exceeds the experts of topk_group="
+                     f"{topk_group} groups")
+  first = cfg.get("first_k_dense_replace") or 0
+  freq = _positive_int(cfg, "moe_layer_freq", source, cfg.get("moe_layer_freq") or 1)
+  if isinstance(first, bool) or not isinstance(first, int) or not 0 <= first <= n:
+    raise ValueError(f"{source}: first_k_dense_replace={first!r} must be in [0, {n}]")
+  shared = cfg.get("n_shared_experts") or 0
+  if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
+    raise ValueError(f"{source}: n_shared_experts={shared!r} must be an integer >= 0")
+  out.update(
+      num_experts=experts, num_experts_per_tok=top_k,
+      moe_intermediate_size=_positive_int(cfg, "moe_intermediate_size", source),
+      norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), scoring_func=scoring,
+      n_group=groups, topk_group=topk_group, n_shared_experts=shared,
+      routed_scaling_factor=_positive_float(cfg, "routed_scaling_factor", source, 1.0),
+      moe_layers=tuple(i for i in range(first, n) if i % freq == 0))
+  return out
+
+
 def config_from_hf(cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
-  """Parses a Hugging Face config.json dict for Qwen3 (dense or MoE) or Llama; raises on what we lack
-  and on values out of range, naming `source`."""
+  """Parses a Hugging Face config.json dict for Qwen3 (dense or MoE), Llama or DeepSeek-V3 /
+  Kimi-K2 (by its fields: code shipped beside a config, `auto_map`, is never imported); raises
+  on what we lack and on values out of range, naming `source`."""
   model_type = cfg.get("model_type")
   if model_type not in SUPPORTED_MODEL_TYPES:
     raise ValueError(f"{source}: unsupported model_type {model_type!r}; supported: "
@@ -159,11 +317,15 @@ def config_from_hf(cfg: dict[str, Any], source: str = "config.json") -> ModelCon
       raise ValueError(f"{source}: config.json lacks required field {key!r}")
     _positive_int(cfg, key, source)
   heads = cfg["num_attention_heads"]
-  moe = _moe_settings(cfg, model_type, source)
+  deepseek = model_type in DEEPSEEK_TYPES
+  moe = _deepseek_settings(cfg, source) if deepseek else _moe_settings(cfg, model_type, source)
   kv_heads = _positive_int(cfg, "num_key_value_heads", source, cfg.get("num_key_value_heads")
                            or heads)
-  head_dim = _positive_int(cfg, "head_dim", source, cfg.get("head_dim")
-                           or cfg["hidden_size"] // heads or None)
+  if deepseek:  # HF writes head_dim = qk_rope_head_dim; a head's scores span nope + rope
+    head_dim = moe["qk_nope_head_dim"] + moe["qk_rope_head_dim"]
+  else:
+    head_dim = _positive_int(cfg, "head_dim", source, cfg.get("head_dim")
+                             or cfg["hidden_size"] // heads or None)
   eos = cfg.get("eos_token_id")
   eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
   if any(isinstance(e, bool) or not isinstance(e, int) or not 0 <= e < cfg["vocab_size"]
@@ -171,7 +333,9 @@ def config_from_hf(cfg: dict[str, Any], source: str = "config.json") -> ModelCon
     raise ValueError(f"{source}: eos_token_id {cfg.get('eos_token_id')!r} is not a token id in "
                      f"[0, {cfg['vocab_size']})")
   try:
-    theta, scaling = _rope_settings(cfg)
+    # (YaRN is checked against HF for DeepSeek-V3 only)
+    theta, rope_type, scaling = _rope_settings(cfg, ("llama3", "yarn") if deepseek
+                                               else ("llama3",))
   except ValueError as e:
     raise ValueError(f"{source}: {e}") from None
   if not math.isfinite(theta) or theta <= 0:
@@ -188,6 +352,7 @@ def config_from_hf(cfg: dict[str, Any], source: str = "config.json") -> ModelCon
         head_dim=head_dim,
         rms_norm_eps=_positive_float(cfg, "rms_norm_eps", source, 1e-6),
         rope_theta=theta,
+        rope_type=rope_type,
         rope_scaling=scaling,
         qk_norm=model_type in ("qwen3", "qwen3_moe"),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),

@@ -167,8 +167,7 @@ def step(tparams, tcfg, dparams, dcfg, lc: LoopConfig, state: DecodeState) -> De
 def prefill(tparams, dparams, tokens, lens, key, *, tcfg, dcfg, lc: LoopConfig, capacity: int):
   """Prompts [B, T] (right-padded, true lengths `lens`) -> the initial DecodeState."""
   b, t = tokens.shape
-  cache = model.init_cache(tcfg.num_layers, b, tcfg.num_kv_heads, capacity, tcfg.head_dim,
-                           tparams.embed.dtype)
+  cache = model.init_target_cache(tcfg, b, capacity, tparams.embed.dtype)
   cache = sharding.constrain(cache, lc.mesh, lc.rules)
   positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
   taps_at = () if dcfg is None else dcfg.target_layer_ids

@@ -234,7 +234,7 @@ def generate(target: Target, prompts: Sequence[Sequence[int]], *, method: str = 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _forward_logits(params, token_ids, *, cfg):
   b, t = token_ids.shape
-  cache = model.init_cache(cfg.num_layers, b, cfg.num_kv_heads, 0, cfg.head_dim, params.embed.dtype)
+  cache = model.init_target_cache(cfg, b, 0, params.embed.dtype)
   positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
   hidden, *_ = model.forward(params, cfg, token_ids, positions, cache,
                              model.causal_mask(jnp.full((b,), t), t))

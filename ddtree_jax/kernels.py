@@ -55,6 +55,12 @@ class KernelTuning:
   # block_k), the first entry covering a step's pairs; XLA's ragged_dot past the last entry
   moe_launch: tuple[tuple[int, int, int, int], ...] = ((256, 16, 64, 128), (4096, 16, 128, 64),
                                                        (1 << 30, 64, 128, 64))
+  # latent attention (MLA) on the Pallas kernel (`pallas.latent_attention`; one device, power-of-
+  # two latent and RoPE widths) rather than XLA's form: off until measured on a GPU; each split
+  # of the prefix at least latent_split_rows rows, at most latent_max_splits splits
+  latent_pallas: bool = False
+  latent_split_rows: int = 512
+  latent_max_splits: int = 16
   # Pallas interpret mode; None: on a CPU backend (False lowers to Triton there, for an
   # abstract GPU: experiments/perf/compile_offline.py)
   interpret: bool | None = None
@@ -125,6 +131,29 @@ class Kernels:
     return fn if self.mesh is None else shard_attention(fn, self.mesh, self._rules)
 
   @functools.cached_property
+  def attend_latent(self) -> Callable:
+    """q [B, T, N, C + R], latent cache, prefix_len, new rows, new_mask, *, scale, value_dim,
+    layer -> [B, T, N, value_dim] (`mla.attend_latent`'s contract). XLA's form (on a mesh GSPMD
+    splits the heads, the latent replicated), or with tuning.latent_pallas on one device the
+    Pallas kernel where the widths allow it."""
+    from ddtree_jax import mla  # pylint: disable=import-outside-toplevel
+    if self.attention != "pallas" or self.mesh is not None or not self.tuning.latent_pallas:
+      return mla.attend_latent
+    from ddtree_jax.pallas import latent_attention as kernel  # pylint: disable=import-outside-toplevel
+    tuning = self.tuning
+
+    def attend(q, cache, prefix_len, new, new_mask, *, scale, value_dim, layer=None):
+      c, r = value_dim, q.shape[-1] - value_dim
+      if c != kernel.pow2(c) or r != kernel.pow2(r) or min(c, r) < 16:
+        return mla.attend_latent(q, cache, prefix_len, new, new_mask, scale=scale,
+                                 value_dim=value_dim, layer=layer)
+      splits = max(1, min(tuning.latent_max_splits, cache.shape[-2] // tuning.latent_split_rows))
+      return kernel.latent_attention(q, cache, prefix_len, new, new_mask, scale=scale,
+                                     value_dim=value_dim, layer=layer, num_splits=splits,
+                                     interpret=tuning.interpret)
+    return attend
+
+  @functools.cached_property
   def project_qkv(self) -> Callable:
     """layer, h [B, T, H], cos, sin, *, eps -> q [B, T, N, D], k, v [B, T, K, D] (q, k normed
     and RoPE'd). Pallas on a mesh: XLA's projections, then the q/k kernel per shard."""
@@ -156,7 +185,7 @@ class Kernels:
 
   @functools.cached_property
   def moe(self) -> Callable:
-    """params, x [R, H], *, top_k, norm_topk_prob -> [R, H]: the router and the dropless
+    """params, x [R, H], *, routing (`moe.Routing`) -> [R, H]: the router and the dropless
     mixture of experts. On a mesh per shard: each device runs its experts (and its slice of
     their width) for every row, and one psum adds the shards."""
     from ddtree_jax import moe as moe_lib  # pylint: disable=import-outside-toplevel
@@ -167,8 +196,8 @@ class Kernels:
     if self.mesh is not None:
       return shard_moe(experts, self.mesh, self._rules)
 
-    def mixture(params, x, *, top_k, norm_topk_prob):
-      weights, chosen = moe_lib.route(params, x, top_k, norm_topk_prob)
+    def mixture(params, x, *, routing):
+      weights, chosen = moe_lib.route(params, x, routing)
       return experts(params, x, weights, chosen)
     return mixture
 
@@ -281,7 +310,7 @@ def shard_moe(experts: Callable, mesh, rules=None) -> Callable:
   from ddtree_jax import moe as moe_lib  # pylint: disable=import-outside-toplevel
   rules = _rules_or_default(rules)
 
-  def wrapped(params, x, *, top_k, norm_topk_prob):
+  def wrapped(params, x, *, routing):
     size = lambda name: mesh.shape[name] if name in mesh.shape else 1
     e, _, _, i = params.w_gate_up.shape
     ep = rules.experts if rules.experts in mesh.shape and e % size(rules.experts) == 0 else None
@@ -290,9 +319,8 @@ def shard_moe(experts: Callable, mesh, rules=None) -> Callable:
                          and x.shape[0] % size(rules.batch) == 0) else None
     summed = tuple(a for a in (ep, mp) if a is not None)
 
-    def local(router, gate_up, down, x):
-      weights, chosen = moe_lib.route(moe_lib.MoEParams(router, gate_up, down), x, top_k,
-                                      norm_topk_prob)
+    def local(router, bias, gate_up, down, x):
+      weights, chosen = moe_lib.route(moe_lib.MoEParams(router, gate_up, down, bias), x, routing)
       if ep is not None:  # this shard's experts: [first, first + E_loc)
         e_loc = gate_up.shape[0]
         first = jax.lax.axis_index(ep) * e_loc
@@ -302,9 +330,10 @@ def shard_moe(experts: Callable, mesh, rules=None) -> Callable:
       return jax.lax.psum(y, summed) if summed else y
 
     return jax.shard_map(local, mesh=mesh, check_vma=False,
-                         in_specs=(P(), P(ep, None, None, mp), P(ep, mp, None), P(bt, None)),
-                         out_specs=P(bt, None))(params.router, params.w_gate_up, params.w_down,
-                                                x)
+                         in_specs=(P(), P(), P(ep, None, None, mp), P(ep, mp, None),
+                                   P(bt, None)),
+                         out_specs=P(bt, None))(params.router, params.bias, params.w_gate_up,
+                                                params.w_down, x)
 
   return wrapped
 

@@ -1,6 +1,7 @@
-"""Qwen3 (dense or MoE) / Llama-3 decoder as pure functions over a registered-dataclass params
-pytree. A decoder layer is an attention block and an MLP block; the MLP block is dense or a
-mixture of experts (`moe.py`).
+"""Qwen3 (dense or MoE) / Llama-3 / DeepSeek-V3 decoder as pure functions over a registered-
+dataclass params pytree. A decoder layer is an attention block and an MLP block: the attention
+is GQA or multi-head latent attention (`mla.py`), the MLP dense or a mixture of experts
+(`moe.py`; DeepSeek's shared experts are the layer's dense MLP beside its experts).
 
 Shapes: B batch, T new tokens, H hidden, N query heads, K kv heads, D head_dim, I MLP width,
 V vocab, S cache capacity. Weights are stored [in, out] (x @ W), split by head for sharding.
@@ -14,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax import kernels as kernels_lib
+from ddtree_jax import mla as mla_lib
 from ddtree_jax import moe as moe_lib
 from ddtree_jax.attention import einsum_f32
 from ddtree_jax.config import ModelConfig
@@ -84,16 +86,17 @@ class LayerParams:
   input_norm: Array        # [H]
   wq: Array | None         # [H, N, D]; None once fused into wqkv
   wkv: Array | None        # [H, 2, K, D]  (k, v); None once fused into wqkv
-  wo: Array                # [N, D, H]
+  wo: Array | None         # [N, D, H]; None in a latent-attention layer
   q_norm: Array | None     # [D] (Qwen3) or None (Llama)
   k_norm: Array | None     # [D]
   post_norm: Array         # [H]
-  w_gate_up: Array | None  # [H, 2, I]  (gate, up); None in a MoE layer
-  w_down: Array | None     # [I, H]; None in a MoE layer
+  w_gate_up: Array | None  # [H, 2, I]  (gate, up); None in a MoE layer without shared experts
+  w_down: Array | None     # [I, H]; (with moe set: DeepSeek's shared experts, I = n x width)
   # `fuse_qkv`: [H, N + 2K, D], wq's heads then wkv's k and v heads: the q and k/v projections
   # as one GEMM with one output (one device only; see fuse_qkv)
   wqkv: Array | None = None
   moe: moe_lib.MoEParams | None = None  # the experts of a MoE layer (its MLP block)
+  mla: mla_lib.MLAParams | None = None  # latent attention (then wq, wkv, wo, norms are None)
 
 
 def fuse_qkv(params: Params) -> Params:
@@ -104,7 +107,7 @@ def fuse_qkv(params: Params) -> Params:
   sharded on their own axes (`sharding.py` refuses fused weights, and this refuses sharded
   ones). Fused layers are kept. `checkpoint.load_target` builds the same layout on the host."""
   def fuse(layer):
-    if layer.wqkv is not None:
+    if layer.wqkv is not None or layer.mla is not None:  # (latent attention has no q/k/v)
       return layer
     if layer.wq is None or layer.wkv is None:
       raise ValueError("fuse_qkv: a layer has neither wqkv nor both wq and wkv")
@@ -154,10 +157,18 @@ class KVCache:
 
 
 def init_cache(num_layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int,
-               dtype) -> KVCache:
+               dtype, v_dim: int | None = None) -> KVCache:
   shape = (num_layers, batch, kv_heads, capacity, head_dim)
-  return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+  v_shape = shape[:-1] + (head_dim if v_dim is None else v_dim,)
+  return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(v_shape, dtype),
                  lens=jnp.zeros((batch,), jnp.int32))
+
+
+def init_target_cache(cfg: ModelConfig, batch: int, capacity: int, dtype) -> KVCache:
+  """The target's cache (`ModelConfig.cache_layout`): GQA k and v, or MLA's latent rows in k
+  (v empty: the latent is the value too)."""
+  heads, k_dim, v_dim = cfg.cache_layout
+  return init_cache(cfg.num_layers, batch, heads, capacity, k_dim, dtype, v_dim)
 
 
 def commit(cache: KVCache, new_k, new_v, src, count) -> KVCache:
@@ -192,7 +203,8 @@ def rope_tables(cfg: ModelConfig, positions, dtype):
   inv = jnp.asarray(cfg.inv_freq(), jnp.float32)
   freqs = positions.astype(jnp.float32)[..., None] * inv
   emb = jnp.concatenate([freqs, freqs], axis=-1)
-  return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+  f = cfg.rope_attention_factor  # YaRN's (1 otherwise)
+  return (f * jnp.cos(emb)).astype(dtype), (f * jnp.sin(emb)).astype(dtype)
 
 
 def apply_rope(x, cos, sin):
@@ -249,11 +261,15 @@ def attention_block(layer, cfg, x, h, cos, sin, k_cache, v_cache, prefix_len, ne
   """Residual attention sub-block over x with h = its input RMSNorm. Returns x', the MLP's input
   norm of x' and the new rows' k, v [B, T, K, D].
 
-  k_cache/v_cache: [B, K, S, D], or a KVCache's [L, B, K, S, D] with cache_layer the layer."""
+  k_cache/v_cache: [B, K, S, D], or a KVCache's [L, B, K, S, D] with cache_layer the layer.
+  A latent-attention layer reads its latent rows from k_cache (`mla.attention_block`)."""
+  if layer.mla is not None:
+    return mla_lib.attention_block(layer, cfg, x, h, cos, sin, k_cache, prefix_len, new_mask,
+                                   kernels, cache_layer)
   q, k, v = kernels.project_qkv(layer, h, cos, sin, eps=cfg.rms_norm_eps)
   kw = {} if cache_layer is None else {"layer": cache_layer}
   o = kernels.attend(q, k_cache, v_cache, prefix_len, k, v, new_mask,
-                     scale=cfg.head_dim ** -0.5, **kw)
+                     scale=cfg.attention_scale, **kw)
   x, h = kernels.residual_norm(x, "btnd,ndh->bth", o, layer.wo, layer.post_norm,
                                eps=cfg.rms_norm_eps)
   return x, h, k, v
@@ -261,11 +277,13 @@ def attention_block(layer, cfg, x, h, cos, sin, k_cache, v_cache, prefix_len, ne
 
 def mlp_block(layer, cfg, x, h, next_norm, kernels: kernels_lib.Kernels = kernels_lib.REFERENCE):
   """Residual MLP sub-block over x with h = its RMSNorm -> (x', x' normed with next_norm): a
-  dense SwiGLU, or the layer's mixture of experts (`Kernels.moe`)."""
+  dense SwiGLU, or the layer's mixture of experts (`Kernels.moe`) plus its shared experts."""
   if layer.moe is not None:
     b, t, hid = h.shape
-    y = kernels.moe(layer.moe, h.reshape(b * t, hid), top_k=cfg.num_experts_per_tok,
-                    norm_topk_prob=cfg.norm_topk_prob).reshape(b, t, hid)
+    y = kernels.moe(layer.moe, h.reshape(b * t, hid), routing=cfg.routing).reshape(b, t, hid)
+    if layer.w_gate_up is not None:  # DeepSeek's shared experts: one dense SwiGLU
+      gu = dense("bth,hsi->btsi", h, layer.w_gate_up)
+      y = y + dense("bti,ih->bth", jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1], layer.w_down)
     x = x + y.astype(x.dtype)
     return x, rms_norm(x, next_norm, cfg.rms_norm_eps)
   gu = dense("bth,hsi->btsi", h, layer.w_gate_up)
@@ -350,13 +368,20 @@ def init_params(cfg: ModelConfig, key, dtype=jnp.bfloat16, std: float = 0.02) ->
   def mlp(layer):
     if not cfg.is_moe(layer):
       return dict(w_gate_up=w(h, 2, i), w_down=w(i, h))
-    return dict(w_gate_up=None, w_down=None, moe=moe_lib.init_params(
+    shared = cfg.n_shared_experts * cfg.moe_intermediate_size
+    return dict(w_gate_up=w(h, 2, shared) if shared else None,
+                w_down=w(shared, h) if shared else None, moe=moe_lib.init_params(
         jax.random.fold_in(key, 1 << 20 | layer), h, cfg.num_experts, cfg.moe_intermediate_size,
-        dtype, std))
-  layers = [LayerParams(
-      input_norm=ones(h), wq=w(h, n, d), wkv=w(h, 2, k, d), wo=w(n, d, h),
-      q_norm=ones(d) if cfg.qk_norm else None, k_norm=ones(d) if cfg.qk_norm else None,
-      post_norm=ones(h), **mlp(layer)) for layer in range(cfg.num_layers)]
+        dtype, std, bias=cfg.scoring_func == "sigmoid"))
+
+  def attention(layer):
+    if cfg.is_mla:
+      return dict(wq=None, wkv=None, wo=None, q_norm=None, k_norm=None, mla=mla_lib.init_params(
+          cfg, jax.random.fold_in(key, 1 << 21 | layer), dtype, std))
+    return dict(wq=w(h, n, d), wkv=w(h, 2, k, d), wo=w(n, d, h),
+                q_norm=ones(d) if cfg.qk_norm else None, k_norm=ones(d) if cfg.qk_norm else None)
+  layers = [LayerParams(input_norm=ones(h), post_norm=ones(h), **attention(layer), **mlp(layer))
+            for layer in range(cfg.num_layers)]
   return Params(embed=w(cfg.vocab_size, h), layers=layers, final_norm=ones(h),
                 lm_head=None if cfg.tie_word_embeddings else w(h, cfg.vocab_size))
 

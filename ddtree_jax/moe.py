@@ -1,5 +1,6 @@
-"""Mixture-of-experts MLP (Qwen3-MoE): a float32 softmax router, top-k experts per token, and a
-dropless mixture of SwiGLU experts.
+"""Mixture-of-experts MLP (Qwen3-MoE, DeepSeekMoE): a float32 router (softmax top-k, or
+DeepSeek's sigmoid scores with a selection bias and group-limited top-k), and a dropless mixture
+of SwiGLU experts. DeepSeek's shared experts are a dense MLP beside it (`model.mlp_block`).
 
 Every implementation has the contract `(params, x [R, H], weights [R, k], experts [R, k]) ->
 [R, H]`: each row's output is sum_j weights[r, j] * expert_{experts[r, j]}(x[r]), summed in rank
@@ -31,18 +32,51 @@ class MoEParams:
   router: Array            # [H, E], float32 (HF computes routing in float32)
   w_gate_up: Array         # [E, H, 2, I]  (gate, up)
   w_down: Array            # [E, I, H]
+  bias: Array | None = None  # [E] float32: DeepSeek's e_score_correction_bias (selection only)
 
 
-def route(params: MoEParams, x, top_k: int, norm_topk_prob: bool):
-  """Router of x [R, H]: softmax over experts in float32, the top_k by probability (ties to the
-  lower expert id), renormalised over the chosen ones when norm_topk_prob. Returns (weights
-  [R, k] in x's dtype, experts [R, k] int32)."""
+@dataclasses.dataclass(frozen=True)
+class Routing:
+  """How a router picks (hashable: `ModelConfig.routing`). softmax: Qwen3-MoE; sigmoid:
+  DeepSeek-V3 (scores + bias choose, the scores weigh; top-k among the experts of the
+  topk_group groups of n_group whose two best biased scores sum highest)."""
+  top_k: int
+  norm_topk_prob: bool = False
+  scoring: str = "softmax"
+  n_group: int = 1
+  topk_group: int = 1
+  scaling: float = 1.0
+
+  def __post_init__(self):
+    if self.scoring not in ("softmax", "sigmoid"):
+      raise ValueError(f"Routing.scoring must be 'softmax' or 'sigmoid', got {self.scoring!r}")
+
+
+def route(params: MoEParams, x, routing: Routing):
+  """Router of x [R, H] in float32: the top_k experts (ties to the lower expert id) and their
+  weights, renormalised over the chosen ones when norm_topk_prob, times routing.scaling.
+  Returns (weights [R, k] in x's dtype, experts [R, k] int32)."""
   logits = jnp.dot(x.astype(jnp.float32), params.router.astype(jnp.float32),
                    precision=jax.lax.Precision.HIGHEST)
-  probs = jax.nn.softmax(logits, axis=-1)
-  weights, experts = jax.lax.top_k(probs, top_k)
-  if norm_topk_prob:
-    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+  if routing.scoring == "softmax":
+    scores = choice = jax.nn.softmax(logits, axis=-1)
+  else:
+    scores = jax.nn.sigmoid(logits)
+    choice = scores if params.bias is None else scores + params.bias.astype(jnp.float32)
+  if routing.n_group > 1:
+    r, e = choice.shape
+    grouped_choice = choice.reshape(r, routing.n_group, e // routing.n_group)
+    group_score = jnp.sum(jax.lax.top_k(grouped_choice, 2)[0], axis=-1)       # [R, G]
+    _, best = jax.lax.top_k(group_score, routing.topk_group)
+    keep = jnp.zeros(group_score.shape, bool).at[jnp.arange(r)[:, None], best].set(True)
+    choice = jnp.where(jnp.repeat(keep, e // routing.n_group, axis=1), choice, -jnp.inf)
+  _, experts = jax.lax.top_k(choice, routing.top_k)
+  weights = jnp.take_along_axis(scores, experts, axis=-1)
+  if routing.norm_topk_prob:
+    denominator = jnp.sum(weights, axis=-1, keepdims=True)
+    weights = weights / (denominator + 1e-20 if routing.scoring == "sigmoid" else denominator)
+  if routing.scaling != 1.0:
+    weights = weights * routing.scaling
   return weights.astype(x.dtype), experts.astype(jnp.int32)
 
 
@@ -121,10 +155,12 @@ def distinct_experts(experts, num_experts: int):
 
 
 def init_params(key, hidden: int, num_experts: int, intermediate: int, dtype,
-                std: float = 0.02) -> MoEParams:
-  """Random experts (benchmarks and tests); the router in float32."""
+                std: float = 0.02, bias: bool = False) -> MoEParams:
+  """Random experts (benchmarks and tests); the router (and bias) in float32."""
   k1, k2, k3 = jax.random.split(key, 3)
   w = lambda k, *shape: (std * jax.random.normal(k, shape, jnp.float32)).astype(dtype)
   return MoEParams(router=std * jax.random.normal(k1, (hidden, num_experts), jnp.float32),
                    w_gate_up=w(k2, num_experts, hidden, 2, intermediate),
-                   w_down=w(k3, num_experts, intermediate, hidden))
+                   w_down=w(k3, num_experts, intermediate, hidden),
+                   bias=(0.1 * jax.random.normal(jax.random.fold_in(key, 4), (num_experts,),
+                                                 jnp.float32) if bias else None))

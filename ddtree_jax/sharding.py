@@ -41,6 +41,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from ddtree_jax.drafter import DrafterParams
 from ddtree_jax.model import Int8Weight, KVCache, LayerParams, Params
+from ddtree_jax.mla import MLAParams
 from ddtree_jax.moe import MoEParams
 
 
@@ -120,24 +121,38 @@ def _w(w, *spec):
   return P(*spec)
 
 
+def _mla_specs(p: MLAParams, mesh, rules) -> MLAParams:
+  """Latent attention: heads over tp (q, W_UK, W_UV, o); the latent path replicated (the cache
+  holds one latent row per token for all heads)."""
+  hd = _axis(mesh, rules, "heads", p.w_uk.shape[1], "attention heads")
+  opt = lambda x, *spec: None if x is None else P(*spec)
+  return MLAParams(wq=opt(p.wq, None, hd, None), wq_a=opt(p.wq_a), q_a_norm=opt(p.q_a_norm),
+                   wq_b=opt(p.wq_b, None, hd, None), wkv_a=P(), kv_a_norm=P(),
+                   w_uk=P(None, hd, None), w_uv=P(None, hd, None), wo=P(hd, None, None))
+
+
 def _layer_specs(layer: LayerParams, mesh, rules) -> LayerParams:
   if layer.wqkv is not None:
     raise ValueError("fused q/k/v weights (model.fuse_qkv) cannot be sharded: q and kv heads "
                      "split on their own axes; shard unfused params (checkpoint.load_target("
                      "..., fuse_qkv=False), or give load_target the mesh)")
-  hd = _axis(mesh, rules, "heads", layer.wq.shape[1], "query heads")
-  kv = _axis(mesh, rules, "kv_heads", layer.wkv.shape[2], "kv heads")
   opt = lambda x: None if x is None else P()
   mlp = {}
-  if layer.moe is None:
+  if layer.w_down is not None:  # the dense MLP, or DeepSeek's shared experts beside the experts
     ml = _axis(mesh, rules, "mlp", layer.w_down.shape[0], "intermediate_size")
     mlp = dict(w_gate_up=_w(layer.w_gate_up, None, None, ml), w_down=_w(layer.w_down, ml, None))
-  else:
+  if layer.moe is not None:
     e, _, _, i = layer.moe.w_gate_up.shape
     ep = _axis(mesh, rules, "experts", e, "num_experts")
     ml = _axis(mesh, rules, "mlp", i, "moe_intermediate_size")
-    mlp = dict(w_gate_up=None, w_down=None, moe=MoEParams(
-        router=P(), w_gate_up=P(ep, None, None, ml), w_down=P(ep, ml, None)))
+    mlp = dict(dict(w_gate_up=None, w_down=None), **mlp, moe=MoEParams(
+        router=P(), w_gate_up=P(ep, None, None, ml), w_down=P(ep, ml, None),
+        bias=opt(layer.moe.bias)))
+  if layer.mla is not None:
+    return LayerParams(input_norm=P(), wq=None, wkv=None, wo=None, q_norm=None, k_norm=None,
+                       post_norm=P(), mla=_mla_specs(layer.mla, mesh, rules), **mlp)
+  hd = _axis(mesh, rules, "heads", layer.wq.shape[1], "query heads")
+  kv = _axis(mesh, rules, "kv_heads", layer.wkv.shape[2], "kv heads")
   return LayerParams(input_norm=P(), wq=_w(layer.wq, None, hd, None),
                      wkv=_w(layer.wkv, None, None, kv, None), wo=_w(layer.wo, hd, None, None),
                      q_norm=opt(layer.q_norm), k_norm=opt(layer.k_norm), post_norm=P(), **mlp)
@@ -170,7 +185,8 @@ def _drafter_specs(params: DrafterParams, mesh, rules) -> DrafterParams:
 
 def _cache_specs(cache: KVCache, mesh, rules) -> KVCache:
   bt = _axis(mesh, rules, "batch", cache.lens.shape[0], "batch")
-  kv = _axis(mesh, rules, "kv_heads", cache.k.shape[2], "kv heads")
+  latent = cache.v.shape[-1] == 0  # MLA: one latent row per token for all heads, replicated
+  kv = None if latent else _axis(mesh, rules, "kv_heads", cache.k.shape[2], "kv heads")
   spec = P(None, bt, kv, None, None)  # [L, B, K, S, D]
   return KVCache(k=spec, v=spec, lens=P(bt))
 

@@ -123,7 +123,8 @@ def _round_up(x: int, m: int) -> int:
 
 def cache_bytes(cfg, batch: int, capacity: int, itemsize: int, dcfg=None) -> int:
   """Bytes of the target's (and the drafter's) K/V caches for `batch` sequences."""
-  per_row = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
+  heads, k_dim, v_dim = cfg.cache_layout
+  per_row = cfg.num_layers * heads * (k_dim + v_dim)
   if dcfg is not None:
     per_row += 2 * dcfg.layers.num_layers * dcfg.layers.num_kv_heads * dcfg.layers.head_dim
   return per_row * batch * capacity * itemsize

@@ -108,7 +108,7 @@ def cached_decode_logits(target, prompt, greedy):
   of each step (what HF's generate reports as decode_logits)."""
   from ddtree_jax import model  # pylint: disable=import-outside-toplevel
   cfg, params = target.config, target.params
-  cache = model.init_cache(cfg.num_layers, 1, cfg.num_kv_heads, 64, cfg.head_dim, jnp.float32)
+  cache = model.init_target_cache(cfg, 1, 64, jnp.float32)
   t = len(prompt)
   pos = jnp.arange(t)[None]
   hidden, nk, nv, _ = model.forward(params, cfg, jnp.asarray(prompt)[None], pos, cache,
@@ -227,3 +227,33 @@ def verify_triton_ir(call):
     module = ir.Module.parse(data)
     assert module.operation.verify()
     return module.operation.get_asm()
+
+
+def assert_lossless(target, drafter, prompts, ar, method, budget, max_new_tokens, seed=0):
+  """Chain / DDTree with an oracle drafter (drafts that follow `ar`, partly corrupted) give
+  exactly the AR tokens `ar`; beyond budget 1 some step accepts more than two tokens."""
+  import ddtree_jax as dj  # pylint: disable=import-outside-toplevel
+  d = oracle_drafter(drafter, prompts, ar, seed=seed)
+  res = dj.generate(target, prompts, method=method, drafter=d, budget=budget,
+                    max_new_tokens=max_new_tokens, stop_token_ids=())
+  assert res.tokens == ar
+  if budget != 1:
+    assert max(a for seq in res.stats["acceptance_lengths"] for a in seq) > 2
+
+
+def assert_real_drafter_lossless(target, drafter, prompts, ar, n=12):
+  """The drafter itself on XLA (chain) and on the Pallas kernels (DDTree B=16): AR's tokens."""
+  import ddtree_jax as dj  # pylint: disable=import-outside-toplevel
+  for method, budget, attention in (("chain", None, "xla"), ("ddtree", 16, "pallas")):
+    res = dj.generate(target, prompts, method=method, drafter=drafter, budget=budget,
+                      max_new_tokens=n, stop_token_ids=(), attention=attention)
+    assert res.tokens == [a[:n] for a in ar], (method, attention)
+
+
+def drafter_and_ar(path, target, prompts, max_new_tokens, target_layer_ids):
+  """(a random block-8 drafter written to `path` and loaded for `target`, AR's tokens)."""
+  import ddtree_jax as dj  # pylint: disable=import-outside-toplevel
+  drafter = dj.load_drafter(write_drafter(path, target.config, block_size=8,
+                                          target_layer_ids=target_layer_ids), target)
+  return drafter, dj.generate(target, prompts, max_new_tokens=max_new_tokens,
+                              stop_token_ids=()).tokens

@@ -14,8 +14,8 @@ from ddtree_jax import checkpoint, hf_export, kernels, model, moe, sharding
 from ddtree_jax.config import ModelConfig
 from ddtree_jax.pallas.grouped_gemm import combine, expert_ops, grouped_matmul, tiles
 from ddtree_jax.safetensors_io import CheckpointError, read_safetensors, write_safetensors
-from helpers import (cached_decode_logits, copy_fixture, edit_config, oracle_drafter,
-                     write_drafter)
+from helpers import (assert_lossless, assert_real_drafter_lossless, cached_decode_logits,
+                     copy_fixture, drafter_and_ar, edit_config, oracle_drafter, write_drafter)
 
 FIXTURE_NAMES = ["qwen3_moe_top2", "qwen3_moe_sparse_step", "qwen3_moe_top1"]
 M = 32
@@ -42,7 +42,7 @@ def _experts(seed=0, e=8, h=32, i=24, r=11, k=3):
   key = jax.random.key(seed)
   params = moe.init_params(key, h, e, i, jnp.float32, std=0.3)
   x = jax.random.normal(jax.random.fold_in(key, 1), (r, h), jnp.float32)
-  return params, x, *moe.route(params, x, k, norm_topk_prob=True)
+  return params, x, *moe.route(params, x, moe.Routing(k, norm_topk_prob=True))
 
 
 # --------------------------------------------------------------------------------------------
@@ -64,7 +64,7 @@ def test_router_is_float32_softmax_topk_renormalised():
   probs = np.asarray(jax.nn.softmax(np.asarray(x, np.float64) @ np.asarray(params.router,
                                                                           np.float64)))
   for norm in (True, False):
-    w, ex = moe.route(params, x, 3, norm)
+    w, ex = moe.route(params, x, moe.Routing(3, norm))
     top = np.argsort(-probs, axis=1, kind="stable")[:, :3]
     np.testing.assert_array_equal(np.asarray(ex), top)
     p = np.take_along_axis(probs, top, axis=1)
@@ -198,11 +198,8 @@ def test_hf_export_round_trip(tmp_path):
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
   target, _ = _load("qwen3_moe_sparse_step")
-  path = write_drafter(str(tmp_path_factory.mktemp("drafter")), target.config, block_size=8,
-                       target_layer_ids=(1, 3))
-  drafter = dj.load_drafter(path, target)
-  ar = dj.generate(target, PROMPTS, max_new_tokens=M, stop_token_ids=()).tokens
-  return target, drafter, ar
+  return (target, *drafter_and_ar(str(tmp_path_factory.mktemp("drafter")), target, PROMPTS, M,
+                                  (1, 3)))
 
 
 @pytest.mark.parametrize("method,budget", [("chain", None), ("ddtree", 1), ("ddtree", 4),
@@ -210,21 +207,13 @@ def setup(tmp_path_factory):
 @pytest.mark.parametrize("batch", [1, 3])
 def test_speculative_decoding_is_lossless(setup, method, budget, batch):
   target, drafter, ar = setup
-  d = oracle_drafter(drafter, PROMPTS[:batch], ar[:batch], seed=budget or 0)
-  res = dj.generate(target, PROMPTS[:batch], method=method, drafter=d, budget=budget,
-                    max_new_tokens=M, stop_token_ids=())
-  assert res.tokens == ar[:batch]
-  if budget != 1:
-    assert max(a for seq in res.stats["acceptance_lengths"] for a in seq) > 2
+  assert_lossless(target, drafter, PROMPTS[:batch], ar[:batch], method, budget, M,
+                  seed=budget or 0)
 
 
 def test_real_drafter_chain_and_pallas_kernels_are_lossless(setup):
   """The drafter itself (its taps from MoE layers), and the Pallas path (grouped GEMM)."""
-  target, drafter, ar = setup
-  for method, budget, attention in (("chain", None, "xla"), ("ddtree", 16, "pallas")):
-    res = dj.generate(target, PROMPTS, method=method, drafter=drafter, budget=budget,
-                      max_new_tokens=12, stop_token_ids=(), attention=attention)
-    assert res.tokens == [a[:12] for a in ar], (method, attention)
+  assert_real_drafter_lossless(*setup[:2], PROMPTS, setup[2])
 
 
 def test_sampling_with_a_moe_target_follows_its_distribution(tmp_path):
@@ -284,10 +273,10 @@ def test_expert_parallel_equals_one_device(wide, ep, tp):
 
 def test_shard_moe_equals_one_device():
   params, x, _, _ = _experts(r=8, k=2)
-  want = kernels.REFERENCE.moe(params, x, top_k=2, norm_topk_prob=True)
+  want = kernels.REFERENCE.moe(params, x, routing=moe.Routing(2, norm_topk_prob=True))
   for shape in ({"dp": 2, "tp": 2, "ep": 2}, {"dp": 1, "tp": 1, "ep": 8}):
     mesh = sharding.make_mesh(shape)
-    got = kernels.Kernels(mesh=mesh).moe(params, x, top_k=2, norm_topk_prob=True)
+    got = kernels.Kernels(mesh=mesh).moe(params, x, routing=moe.Routing(2, norm_topk_prob=True))
     _close(got, want, 1e-5)
 
 

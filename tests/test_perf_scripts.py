@@ -52,6 +52,24 @@ def test_bench_step_small_rows(tmp_path):
   assert code != 0 and "must exceed" in text
 
 
+def test_bench_moe_small_rows_and_plot(tmp_path):
+  """The MoE benchmark's sections on the tiny MoE shape, its loop rows with distinct experts,
+  and the plot drawn from them."""
+  out = tmp_path / "moe.jsonl"
+  run_script("bench_moe", "--small", "--repeats=1", "--steps=2", "--tokens=1,9",
+             "--impls=xla,pallas:16x32x16", "--verify_tokens=3", "--loop_runs=1:ar,4",
+             "--compile_threads=2", f"--json_out={out}")
+  rows = read_rows(out)
+  assert [r["section"] for r in rows] == ["copy", "verify"] + ["experts"] * 4 + ["loop"] * 2
+  ar, tree = rows[-2:]
+  assert (ar["run"], ar["verify_tokens"], tree["run"], tree["verify_tokens"]) == ("ar", 1, "4", 5)
+  assert 1 <= ar["distinct_per_layer"] <= tree["distinct_per_layer"]
+  assert tree["target_floor_ms"] > 0 and tree["step_ms"] > 0
+  png = tmp_path / "moe.png"
+  run_script("plot_moe", f"--rows={out}", f"--out={png}")
+  assert png.stat().st_size > 1000
+
+
 def test_profile_step_small_and_its_overrides():
   _, text = run_script("profile_step", "--small", "--runs=ar,8", "--steps=4", "--top=5",
                        "--qkv_splits=0", "--residual=num_warps=4")

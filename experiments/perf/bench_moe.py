@@ -1,6 +1,8 @@
 """Mixture-of-experts step benchmark: a Qwen3-30B-A3B-shaped target (48 MoE layers, hidden 2048,
-32 / 4 heads of 128, 128 experts of width 768, top-8, vocab 151936; random bf16 weights) and a
-5-layer dense DFlash drafter, prefix 1K.
+32 / 4 heads of 128, 128 experts of width 768, top-8, vocab 151936; random bf16 weights) or,
+with --shape=moonlight-16b-a3b, a DeepSeek-V3-architecture one (27 layers, hidden 2048, 16
+latent-attention heads, kv_lora_rank 512, 64 routed + 2 shared experts of 1408, top-6, first
+layer dense, vocab 163840), and a 5-layer dense DFlash drafter, prefix 1K.
 
   python -m experiments.perf.bench_moe             # one H200
   python -m experiments.perf.bench_moe --small     # tiny shapes on CPU (smoke)
@@ -36,6 +38,10 @@ from ddtree_jax.kernels import KernelTuning, Kernels
 from experiments.perf import harness
 
 flags.DEFINE_bool("small", False, "tiny shapes (CPU smoke run)")
+flags.DEFINE_bool("latent_pallas", False, "latent attention on the Pallas kernel "
+                  "(KernelTuning.latent_pallas; MLA shapes only)")
+flags.DEFINE_string("shape", "qwen3-30b-a3b", "target shape: qwen3-30b-a3b or moonlight-16b-a3b "
+                    "(DeepSeek-V3 architecture: latent attention, shared experts)")
 flags.DEFINE_string("sections", "copy,experts,verify,loop", "comma list of: copy, experts, "
                     "verify, loop")
 flags.DEFINE_string("tokens", "1,17,65,2048", "experts section: token rows T")
@@ -85,10 +91,10 @@ def counting_kernels(base: Kernels, counts: list):
   k = Kernels(base.attention, base.mesh, base.rules, base.tuning)
   inner = base.moe
 
-  def mixture(params, x, *, top_k, norm_topk_prob):
-    _, chosen = moe.route(params, x, top_k, norm_topk_prob)
+  def mixture(params, x, *, routing):
+    _, chosen = moe.route(params, x, routing)
     counts.append(moe.distinct_experts(chosen, params.router.shape[1]))
-    return inner(params, x, top_k=top_k, norm_topk_prob=norm_topk_prob)
+    return inner(params, x, routing=routing)
   k.__dict__["moe"] = mixture  # Kernels.moe is a cached_property: this instance's value
   return k
 
@@ -96,11 +102,11 @@ def counting_kernels(base: Kernels, counts: list):
 def main(_):
   engine.compilation_cache_from_flags()
   small, sections = FLAGS.small, FLAGS.sections.split(",")
-  tcfg = harness.target_config(small, "qwen3-30b-a3b")
+  tcfg = harness.target_config(small, FLAGS.shape)
   tp = harness.random_target(tcfg, jax.random.key(0))
   dp, dcfg = harness.random_drafter(tcfg, jax.random.key(1), small)
-  kern = Kernels("pallas")
-  layers = [l.moe for l in tp.layers]
+  kern = Kernels("pallas", tuning=KernelTuning(latent_pallas=FLAGS.latent_pallas))
+  layers = [l.moe for l in tp.layers if l.moe is not None]  # (dense layers are in dense_bytes)
   e, h, _, inter = layers[0].w_gate_up.shape
   k_top = tcfg.num_experts_per_tok
   expert_bytes = 3 * h * inter * layers[0].w_gate_up.dtype.itemsize
@@ -108,7 +114,8 @@ def main(_):
                       + l.w_down.size * l.w_down.dtype.itemsize for l in layers)
   dense_bytes = model.param_bytes(tp) - experts_total - tp.embed.size * tp.embed.dtype.itemsize
   router_bytes = sum(l.router.size * 4 for l in layers)
-  kv_row = 2 * tcfg.num_layers * tcfg.num_kv_heads * tcfg.head_dim * 2
+  heads, k_dim, v_dim = tcfg.cache_layout
+  kv_row = tcfg.num_layers * heads * (k_dim + v_dim) * 2
   bw, prefix = FLAGS.floor_bandwidth, FLAGS.prefix
   floor_ms = lambda counts, b: (dense_bytes + int(np.sum(counts)) * expert_bytes
                                 + b * prefix * kv_row) / bw * 1e3
@@ -153,7 +160,7 @@ def main(_):
     def chain(fn):
       def run(ls, x):
         for p in ls:
-          w, c = moe.route(p, x, k_top, tcfg.norm_topk_prob)
+          w, c = moe.route(p, x, tcfg.routing)
           x = x + fn(p, x, w, c)
         return x
       return jax.jit(run)
@@ -162,7 +169,7 @@ def main(_):
     def count_chain(ls, x):
       out = []
       for p in ls:
-        w, c = moe.route(p, x, k_top, tcfg.norm_topk_prob)
+        w, c = moe.route(p, x, tcfg.routing)
         out.append(moe.distinct_experts(c, e))
         x = x + moe.grouped(p, x, w, c)
       return jnp.stack(out)

@@ -63,7 +63,7 @@ def tuning_overrides(tree_attention: str = "", qkv_splits: int = -1,
 # Models
 
 
-SHAPES = ("qwen3-8b", "qwen3-30b-a3b")
+SHAPES = ("qwen3-8b", "qwen3-30b-a3b", "moonlight-16b-a3b")
 
 
 def target_config(small: bool = False, shape: str = "qwen3-8b") -> ModelConfig:
@@ -72,6 +72,21 @@ def target_config(small: bool = False, shape: str = "qwen3-8b") -> ModelConfig:
   top-8, vocab 151936); small: a tiny 4-layer one of the kind for CPU smoke runs."""
   if shape not in SHAPES:
     raise ValueError(f"unknown shape {shape!r}; choose one of {SHAPES}")
+  if shape == "moonlight-16b-a3b":  # DeepSeek-V3 architecture: MLA + DeepSeekMoE
+    mla = dict(model_type="deepseek_v3", qk_norm=False, scoring_func="sigmoid",
+               norm_topk_prob=True, rope_theta=5e4, max_position_embeddings=8192)
+    if small:
+      return ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=3,
+                         num_heads=4, num_kv_heads=4, head_dim=24, num_experts=16,
+                         num_experts_per_tok=3, moe_intermediate_size=32, moe_layers=(1, 2),
+                         n_shared_experts=2, routed_scaling_factor=2.446, kv_lora_rank=32,
+                         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, **mla)
+    return ModelConfig(vocab_size=163840, hidden_size=2048, intermediate_size=11264,
+                       num_layers=27, num_heads=16, num_kv_heads=16, head_dim=192,
+                       num_experts=64, num_experts_per_tok=6, moe_intermediate_size=1408,
+                       moe_layers=tuple(range(1, 27)), n_shared_experts=2,
+                       routed_scaling_factor=2.446, kv_lora_rank=512, qk_nope_head_dim=128,
+                       qk_rope_head_dim=64, v_head_dim=128, **mla)
   if shape == "qwen3-30b-a3b":
     if small:
       return ModelConfig(model_type="qwen3_moe", vocab_size=512, hidden_size=64,
@@ -105,7 +120,12 @@ def drafter_config(tcfg: ModelConfig, small: bool = False) -> DrafterConfig:
   target's intermediate_size), block 16, tapping 5 (2) layers spread over the target's."""
   lcfg = dataclasses.replace(tcfg, model_type="qwen3", num_layers=2 if small else 5,
                              num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0,
-                             norm_topk_prob=False, moe_layers=())
+                             norm_topk_prob=False, moe_layers=(), scoring_func="softmax",
+                             n_shared_experts=0, routed_scaling_factor=1.0, q_lora_rank=0,
+                             kv_lora_rank=0, qk_nope_head_dim=0, qk_rope_head_dim=0,
+                             v_head_dim=0, qk_norm=True,
+                             head_dim=16 if small and tcfg.is_mla else
+                             128 if tcfg.is_mla else tcfg.head_dim)
   n = tcfg.num_layers
   ids = (1, 2) if small else tuple(1 + i * (n - 4) // 4 for i in range(5))
   return DrafterConfig(layers=lcfg, block_size=16, mask_token_id=tcfg.vocab_size - 3,
@@ -144,10 +164,11 @@ def drafter_variants(dparams, tparams, names, mesh=None) -> dict[str, Any]:
 
 def random_cache(key, cfg: ModelConfig, batch: int, capacity: int, prefix: int) -> model.KVCache:
   """A bf16 KV cache of random rows with `prefix` of them valid per sequence."""
-  shape = (cfg.num_layers, batch, cfg.num_kv_heads, capacity, cfg.head_dim)
+  heads, k_dim, v_dim = cfg.cache_layout  # (MLA: latent rows, no separate values)
+  shape = (cfg.num_layers, batch, heads, capacity)
   kk, kv = jax.random.split(key)
-  return model.KVCache(k=jax.random.normal(kk, shape, jnp.bfloat16),
-                       v=jax.random.normal(kv, shape, jnp.bfloat16),
+  return model.KVCache(k=jax.random.normal(kk, shape + (k_dim,), jnp.bfloat16),
+                       v=jax.random.normal(kv, shape + (v_dim,), jnp.bfloat16),
                        lens=jnp.full((batch,), prefix, jnp.int32))
 
 
