@@ -5,7 +5,7 @@ PY312 := $(shell if python3.12 --version >/dev/null 2>&1; then command -v python
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: venv test demo clean train train-smoke eval-default bench bench-smoke eval-coding notebook
+.PHONY: venv test demo serve clean train train-smoke eval-default bench bench-smoke eval-coding notebook
 
 $(VENV)/.installed: pyproject.toml
 	@test -x "$(PY312)" || (echo "need Python 3.12 (python3.12 on PATH or under pyenv root)"; exit 1)
@@ -21,6 +21,11 @@ test: venv
 
 demo: venv
 	$(PY) -m experiments.generate --config=configs/default.py
+
+# OpenAI-compatible server on 127.0.0.1:8000 (the bundled pair; see configs/serve.py), e.g.
+#   make serve ARGS="--config.serve.port=8001 --config.serve.budget=32"
+serve: venv
+	$(PY) -m experiments.serve --config=configs/serve.py $(ARGS)
 
 # The bundled default pair (ddtree_jax/default_model): GPU settings, ~8 min on one H200.
 train: venv

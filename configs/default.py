@@ -73,6 +73,13 @@ def get_config():
                                                      # condition (> 1: idle steps at the end)
   c.out_dir = "out/default"                          # CSV / JSON / PNG outputs of the scripts
 
+  # An OpenAI-compatible server instead of the in-process engine (bench_matrix, coding_eval):
+  # e.g. http://127.0.0.1:8000 (experiments/serve.py, SGLang, vLLM); "" = in-process.
+  c.endpoint = ""
+  c.endpoint_model = ""                              # "" = the server's first model
+  c.concurrency = "1,4,16,32"                        # bench_matrix over HTTP: concurrent requests
+  c.requests_per_level = 32                          # requests per concurrency level
+
   # Benchmark matrix (experiments/bench_matrix.py): methods x budgets x batches.
   c.batches = "1"                                    # concurrency: prompts per generate call
   c.repeats = 3                                      # timed runs per cell (median), after warm-up

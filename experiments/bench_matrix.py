@@ -338,6 +338,10 @@ def main(_):
     for path in plot(rows, os.path.dirname(_PLOT_FROM.value), meta):
       print(f"wrote {path}")
     return
+  if _CONFIG.value.endpoint:  # any OpenAI-compatible server, measured over HTTP
+    from experiments import http_bench  # pylint: disable=import-outside-toplevel
+    http_bench.run(_CONFIG.value)
+    return
   out = run(_CONFIG.value, sharding.mesh_from_flags())
   keep = ("batch", "method", "budget", "tau", "tokens_per_second", "speedup_vs_ar",
           "speedup_vs_chain", "divergent_seqs", "near_tie_divergences")

@@ -139,10 +139,40 @@ def parse_problems(value) -> list[Problem]:
   return [PROBLEMS[n] for n in names]
 
 
+def run_endpoint(cfg, problems) -> list[dict]:
+  """The problems against an OpenAI-compatible server (cfg.endpoint), greedy completions."""
+  import openai  # pylint: disable=import-outside-toplevel
+  client = openai.OpenAI(base_url=cfg.endpoint.rstrip("/") + "/v1", api_key="none",
+                         max_retries=0, timeout=600)
+  model = cfg.endpoint_model or client.models.list().data[0].id
+
+  def generate_fn(p):
+    t0 = time.perf_counter()
+    res = client.completions.create(model=model, prompt=p.prompt, temperature=0,
+                                    max_tokens=cfg.coding.max_new_tokens)
+    acc = (res.model_extra or {}).get("ddtree", {}).get("acceptance_lengths")
+    n = res.usage.completion_tokens
+    return {"text": res.choices[0].text, "tokens": n,
+            "tokens_per_second": n / (time.perf_counter() - t0),
+            "tau": sum(acc) / len(acc) if acc else None}
+  rows = evaluate(generate_fn, problems, cfg.coding.timeout_s, cfg.coding.memory_mb)
+  for r in rows:
+    r.update(run="endpoint", method=model, budget=None)
+  print_table(rows)
+  print(f"\n{cfg.endpoint} ({model}): {sum(r['passed'] for r in rows)}/{len(rows)} passed")
+  return rows
+
+
 def run(cfg, mesh=None) -> dict:
   import ddtree_jax as dj  # pylint: disable=import-outside-toplevel
-  plan = workflow.validate(cfg, baselines=False)
   problems = parse_problems(cfg.coding.problems)
+  if cfg.endpoint:
+    rows = run_endpoint(cfg, problems)
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    path = os.path.join(cfg.out_dir, "coding_eval.json")
+    files.write_json(path, {"endpoint": cfg.endpoint, "rows": rows}, indent=1, default=str)
+    return {"rows": rows, "summary": [], "file": path}
+  plan = workflow.validate(cfg, baselines=False)
   target, drafter = workflow.load_models(cfg, mesh)
   if target.tokenizer is None:
     raise workflow.ConfigError("the coding eval needs a target with a tokenizer (tokenizer.json "

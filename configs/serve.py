@@ -1,0 +1,32 @@
+"""The OpenAI-compatible server (`make serve`, experiments/serve.py): the bundled pair on CPU by
+default, DDTree at one budget chosen at start.
+
+  python -m experiments.serve --config=configs/serve.py --config.target=/models/Qwen3-8B \
+      --config.drafter=/models/Qwen3-8B-DFlash --config.dtype=bfloat16 --config.serve.budget=32
+"""
+
+import importlib.util
+import os
+
+import ml_collections
+
+_spec = importlib.util.spec_from_file_location(
+    "ddtree_config_default", os.path.join(os.path.dirname(os.path.abspath(__file__)), "default.py"))
+_default = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_default)
+
+
+def get_config():
+  c = _default.get_config()
+  s = c.serve = ml_collections.ConfigDict()
+  s.host = "127.0.0.1"
+  s.port = 8000
+  s.model_name = ""                 # "" = the target directory's name
+  s.method = "ddtree" if c.drafter else "ar"  # ar | chain | ddtree
+  s.budget = 16                     # DDTree nodes per verify, fixed at start
+  s.slots = 8                       # decode slots (the batch of every decode step)
+  s.capacity = 512                  # cache rows per slot: prompt + generated tokens
+  s.chunk_steps = 8                 # decode steps per device call between two admissions
+  s.prompt_buckets = "64,256"       # prompts are padded to the first bucket that fits
+  s.max_queue = 256                 # waiting requests; more are answered 429
+  return c

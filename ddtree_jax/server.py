@@ -1,0 +1,282 @@
+"""An OpenAI-compatible HTTP server over a `slots.SlotEngine` (FastAPI + uvicorn).
+
+  POST /v1/completions        prompt (text or token ids), max_tokens, stop, stream
+  POST /v1/chat/completions   messages rendered with the checkpoint's chat template (sandboxed
+                              Jinja, the Hugging Face convention), the same options
+  GET  /v1/models, /health, /metrics (Prometheus text)
+
+Greedy decoding (temperature 0; absent means 0). `usage` counts prompt and completion tokens;
+the extension field `ddtree.acceptance_lengths` lists the tokens each decode step committed
+for the request. Bad input is answered 400 with the field named, a full queue 429; the server
+keeps serving either way. A client that disconnects mid-stream frees its slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+import uuid
+from typing import Any
+
+import fastapi
+from fastapi import responses
+import jinja2.sandbox
+import prometheus_client
+
+from ddtree_jax import slots as slots_lib
+
+# Used when a checkpoint's tokenizer_config.json has no chat_template.
+DEFAULT_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
+                         "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+
+
+class BadRequest(Exception):
+  def __init__(self, field: str, message: str):
+    super().__init__(message)
+    self.field = field
+
+
+def load_chat_template(path: str | None) -> tuple[str, dict[str, str]]:
+  """(template, special tokens) from `path`/tokenizer_config.json, or the default template."""
+  file = os.path.join(path, "tokenizer_config.json") if path else ""
+  if not file or not os.path.exists(file):
+    return DEFAULT_CHAT_TEMPLATE, {}
+  with open(file) as f:
+    cfg = json.load(f)
+  template = cfg.get("chat_template") or DEFAULT_CHAT_TEMPLATE
+  if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+    template = next((t["template"] for t in template if t.get("name") == "default"),
+                    template[0]["template"])
+  tokens = {k: v if isinstance(v, str) else (v or {}).get("content", "")
+            for k, v in cfg.items() if k in ("bos_token", "eos_token")}
+  return template, tokens
+
+
+class _Metrics:
+  """The Prometheus series of one server (its own registry)."""
+
+  def __init__(self, engine: slots_lib.SlotEngine):
+    self.registry = prometheus_client.CollectorRegistry()
+    r = self.registry
+    self.queue = prometheus_client.Gauge("ddtree_queue_depth", "requests waiting", registry=r)
+    self.active = prometheus_client.Gauge("ddtree_active_slots", "slots decoding", registry=r)
+    self.requests = prometheus_client.Counter("ddtree_requests", "requests finished",
+                                              ["finish_reason"], registry=r)
+    self.tokens = prometheus_client.Counter("ddtree_generated_tokens", "tokens sent", registry=r)
+    self.rate = prometheus_client.Gauge("ddtree_tokens_per_second",
+                                        "tokens sent per second over the last minute", registry=r)
+    self.acceptance = prometheus_client.Histogram(
+        "ddtree_acceptance_length", "tokens committed per decode step",
+        buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32), registry=r)
+    self.engine, self.window = engine, []
+
+  def sent(self, n: int) -> None:
+    self.tokens.inc(n)
+    now = time.monotonic()
+    self.window = [(t, k) for t, k in self.window if now - t < 60] + [(now, n)]
+
+  def render(self) -> bytes:
+    m = self.engine.metrics()
+    self.queue.set(m["queue_depth"])
+    self.active.set(m["active_slots"])
+    now = time.monotonic()
+    recent = [(t, k) for t, k in self.window if now - t < 60]
+    span = now - recent[0][0] if len(recent) > 1 else 0.0
+    self.rate.set(sum(k for _, k in recent) / span if span > 0 else 0.0)
+    return prometheus_client.generate_latest(self.registry)
+
+
+def _int_field(body, name, default, lo=None):
+  v = body.get(name, default)
+  if isinstance(v, bool) or not isinstance(v, int) or (lo is not None and v < lo):
+    raise BadRequest(name, f"{name} must be an integer" + (f" >= {lo}" if lo is not None else "")
+                     + f", got {v!r}")
+  return v
+
+
+def make_app(engine: slots_lib.SlotEngine, tokenizer, model_name: str,
+             chat_template: str = DEFAULT_CHAT_TEMPLATE,
+             special_tokens: dict[str, str] | None = None) -> fastapi.FastAPI:
+  """The FastAPI app serving `engine` as model `model_name`; tokenizer: a `tokenizers`
+  Tokenizer (None: token-id prompts only)."""
+  app = fastapi.FastAPI(title="ddtree-jax")
+  metrics = _Metrics(engine)
+  env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+  template = env.from_string(chat_template)
+  special = special_tokens or {}
+
+  @app.exception_handler(BadRequest)
+  async def bad_request(_, e: BadRequest):
+    return responses.JSONResponse(status_code=400, content={"error": {
+        "message": str(e), "type": "invalid_request_error", "param": e.field}})
+
+  def encode(text: str) -> list[int]:
+    if tokenizer is None:
+      raise BadRequest("prompt", "this model has no tokenizer: send token ids")
+    return tokenizer.encode(text).ids
+
+  def decode(ids: list[int]) -> str:
+    return "" if tokenizer is None else tokenizer.decode(ids)
+
+  async def parse(request: fastapi.Request) -> dict[str, Any]:
+    try:
+      body = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      raise BadRequest("body", f"malformed JSON: {e}") from None
+    if not isinstance(body, dict):
+      raise BadRequest("body", "the body must be a JSON object")
+    if body.get("model", model_name) != model_name:
+      raise BadRequest("model", f"unknown model {body.get('model')!r}; this server has "
+                                f"{model_name!r}")
+    t = body.get("temperature", 0)
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or t < 0:
+      raise BadRequest("temperature", f"temperature must be a number >= 0, got {t!r}")
+    if t > 0:
+      raise BadRequest("temperature", "this server decodes greedily: temperature must be 0")
+    return body
+
+  def options(body):
+    max_tokens = _int_field(body, "max_tokens", 16, lo=1)
+    stop = body.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+      raise BadRequest("stop", "stop must be a string or a list of non-empty strings")
+    stop_ids = body.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list) or not all(isinstance(i, int) for i in stop_ids):
+      raise BadRequest("stop_token_ids", "stop_token_ids must be a list of token ids")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+      raise BadRequest("stream", "stream must be true or false")
+    return max_tokens, stop, stop_ids, stream
+
+  async def run(prompt_ids, max_tokens, stop, stop_ids):
+    """Submits the request; yields (text delta, token count, finish_reason) as chunks come."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    emit = lambda toks, reason: loop.call_soon_threadsafe(queue.put_nowait, (toks, reason))
+    try:
+      req = engine.submit(prompt_ids, max_tokens, stop_ids, emit)
+    except slots_lib.RequestError as e:
+      raise BadRequest(e.field, str(e)) from None
+    except slots_lib.QueueFull as e:
+      raise fastapi.HTTPException(status_code=429, detail=str(e)) from None
+    ids, text, finished = [], "", False
+    try:
+      while not finished:
+        toks, reason = await queue.get()
+        ids += toks
+        full = decode(ids)
+        hit = next((full.index(s) for s in stop if s in full), None)
+        if hit is not None:
+          full, reason = full[:hit], "stop"
+          req.cancel()
+        delta, text = full[len(text):], full
+        metrics.sent(len(toks))
+        finished = reason is not None
+        yield delta, len(toks), reason, req
+    finally:
+      if not finished:
+        req.cancel()  # the client went away: the slot is freed at the next chunk
+      else:
+        metrics.requests.labels(finish_reason=reason).inc()
+        for a in req.acceptance:
+          metrics.acceptance.observe(a)
+
+  def envelope(kind, rid, created):
+    return {"id": rid, "object": kind, "created": created, "model": model_name}
+
+  async def respond(prompt_ids, body, chat: bool):
+    max_tokens, stop, stop_ids, stream = options(body)
+    rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
+    gen = run(prompt_ids, max_tokens, stop, stop_ids)
+    first = await gen.__anext__()  # a bad request raises here, before any byte is sent
+
+    def usage(n):
+      return {"prompt_tokens": len(prompt_ids), "completion_tokens": n,
+              "total_tokens": len(prompt_ids) + n}
+
+    if not stream:
+      text, n, reason, req = first[0], first[1], first[2], first[3]
+      async for delta, k, reason, req in gen:
+        text, n = text + delta, n + k
+      choice = ({"index": 0, "message": {"role": "assistant", "content": text},
+                 "finish_reason": reason} if chat else
+                {"index": 0, "text": text, "logprobs": None, "finish_reason": reason})
+      return {**envelope("chat.completion" if chat else "text_completion", rid, created),
+              "choices": [choice], "usage": usage(n),
+              "ddtree": {"acceptance_lengths": req.acceptance}}
+
+    include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+
+    async def events():
+      n, kind = 0, "chat.completion.chunk" if chat else "text_completion"
+      async def chunks():
+        yield first
+        async for item in gen:
+          yield item
+      started = False
+      async for delta, k, reason, req in chunks():
+        n += k
+        if chat:
+          d = {"content": delta} if started else {"role": "assistant", "content": delta}
+          choice = {"index": 0, "delta": d, "finish_reason": reason}
+        else:
+          choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": reason}
+        started = True
+        event = {**envelope(kind, rid, created), "choices": [choice]}
+        if reason is not None:
+          event["ddtree"] = {"acceptance_lengths": req.acceptance}
+        yield f"data: {json.dumps(event)}\n\n"
+      if include_usage:
+        yield f"data: {json.dumps({**envelope(kind, rid, created), 'choices': [], 'usage': usage(n)})}\n\n"
+      yield "data: [DONE]\n\n"
+    return responses.StreamingResponse(events(), media_type="text/event-stream")
+
+  @app.post("/v1/completions")
+  async def completions(request: fastapi.Request):
+    body = await parse(request)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+      prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+      ids = encode(prompt)
+    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                          for t in prompt):
+      ids = prompt
+    else:
+      raise BadRequest("prompt", "prompt must be a string or a list of token ids (one prompt)")
+    if not ids:
+      raise BadRequest("prompt", "prompt is empty")
+    return await respond(ids, body, chat=False)
+
+  @app.post("/v1/chat/completions")
+  async def chat_completions(request: fastapi.Request):
+    body = await parse(request)
+    messages = body.get("messages")
+    if (not isinstance(messages, list) or not messages
+        or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                   and isinstance(m.get("content"), str) for m in messages)):
+      raise BadRequest("messages", "messages must be a non-empty list of {role, content} "
+                                   "objects with string content")
+    try:
+      text = template.render(messages=messages, add_generation_prompt=True, **special)
+    except jinja2.TemplateError as e:
+      raise BadRequest("messages", f"the chat template failed: {e}") from None
+    return await respond(encode(text), body, chat=True)
+
+  @app.get("/v1/models")
+  async def models():
+    return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
+                                        "owned_by": "ddtree-jax"}]}
+
+  @app.get("/health")
+  async def health():
+    return {"status": "ok", **engine.metrics()}
+
+  @app.get("/metrics")
+  async def prometheus():
+    return responses.Response(metrics.render(), media_type=prometheus_client.CONTENT_TYPE_LATEST)
+
+  return app
