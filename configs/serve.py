@@ -26,7 +26,7 @@ def get_config():
   s.budget = 16                     # DDTree nodes per verify, fixed at start
   s.slots = 8                       # decode slots (the batch of every decode step)
   s.capacity = 512                  # cache rows per slot: prompt + generated tokens
-  s.chunk_steps = 8                 # decode steps per device call between two admissions
+  s.chunk_steps = 8                 # decode steps per chunk between two admissions
   s.prompt_buckets = "64,256"       # prompts are padded to the first bucket that fits
   s.max_queue = 256                 # waiting requests; more are answered 429
   return c

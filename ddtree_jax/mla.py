@@ -51,34 +51,21 @@ def rope_pairs_to_halves(n: int) -> np.ndarray:
   return np.concatenate([np.arange(0, n, 2), np.arange(1, n, 2)])
 
 
-def _norm(x, w, eps):
-  xf = x.astype(jnp.float32)
-  xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-  return w * xf.astype(x.dtype)
-
-
-def _rope(x, cos, sin):
-  """x [B, T, ..., R] rotated (rotate-half) by cos / sin [B, T, R]."""
-  half = x.shape[-1] // 2
-  rot = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-  expand = (slice(None), slice(None)) + (None,) * (x.ndim - 3)
-  return x * cos[expand] + rot * sin[expand]
-
-
 def project(p: MLAParams, h, cos, sin, *, eps=LATENT_NORM_EPS):
   """h [B, T, H] -> (q_nope [B, T, N, Dn], q_rope [B, T, N, R] RoPE'd, the new latent rows
   [B, T, 1, C + R]: c normed, k_R RoPE'd)."""
+  from ddtree_jax.model import apply_rope, rms_norm  # pylint: disable=import-outside-toplevel  (model imports this module)
   if p.wq is not None:
     q = jnp.einsum("bth,hnd->btnd", h, p.wq)
   else:
-    qa = _norm(jnp.einsum("bth,hq->btq", h, p.wq_a), p.q_a_norm, eps)
+    qa = rms_norm(jnp.einsum("bth,hq->btq", h, p.wq_a), p.q_a_norm, eps)
     q = jnp.einsum("btq,qnd->btnd", qa, p.wq_b)
   dn = p.w_uk.shape[-1]
   c_dim = p.kv_a_norm.shape[0]
   kv = jnp.einsum("bth,hc->btc", h, p.wkv_a)
-  row = jnp.concatenate([_norm(kv[..., :c_dim], p.kv_a_norm, eps),
-                         _rope(kv[..., c_dim:], cos, sin)], axis=-1)
-  return q[..., :dn], _rope(q[..., dn:], cos, sin), row[:, :, None]
+  row = jnp.concatenate([rms_norm(kv[..., :c_dim], p.kv_a_norm, eps),
+                         apply_rope(kv[:, :, None, c_dim:], cos, sin)[:, :, 0]], axis=-1)
+  return q[..., :dn], apply_rope(q[..., dn:], cos, sin), row[:, :, None]
 
 
 def absorb_query(p: MLAParams, q_nope, q_rope):

@@ -14,6 +14,7 @@ keeps serving either way. A client that disconnects mid-stream frees its slot.
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import os
 import time
@@ -70,21 +71,26 @@ class _Metrics:
     self.acceptance = prometheus_client.Histogram(
         "ddtree_acceptance_length", "tokens committed per decode step",
         buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32), registry=r)
-    self.engine, self.window = engine, []
+    self.engine, self.window = engine, collections.deque()  # (time, tokens), the last minute
+
+  def _trim(self, now: float) -> None:
+    while self.window and now - self.window[0][0] >= 60:
+      self.window.popleft()
 
   def sent(self, n: int) -> None:
     self.tokens.inc(n)
     now = time.monotonic()
-    self.window = [(t, k) for t, k in self.window if now - t < 60] + [(now, n)]
+    self._trim(now)
+    self.window.append((now, n))
 
   def render(self) -> bytes:
     m = self.engine.metrics()
     self.queue.set(m["queue_depth"])
     self.active.set(m["active_slots"])
     now = time.monotonic()
-    recent = [(t, k) for t, k in self.window if now - t < 60]
-    span = now - recent[0][0] if len(recent) > 1 else 0.0
-    self.rate.set(sum(k for _, k in recent) / span if span > 0 else 0.0)
+    self._trim(now)
+    span = now - self.window[0][0] if len(self.window) > 1 else 0.0
+    self.rate.set(sum(k for _, k in self.window) / span if span > 0 else 0.0)
     return prometheus_client.generate_latest(self.registry)
 
 
@@ -198,7 +204,7 @@ def make_app(engine: slots_lib.SlotEngine, tokenizer, model_name: str,
               "total_tokens": len(prompt_ids) + n}
 
     if not stream:
-      text, n, reason, req = first[0], first[1], first[2], first[3]
+      text, n, reason, req = first
       async for delta, k, reason, req in gen:
         text, n = text + delta, n + k
       choice = ({"index": 0, "message": {"role": "assistant", "content": text},

@@ -153,7 +153,6 @@ class SlotEngine:
     self.active: dict[int, Request] = {}
     self.lock = threading.Condition()
     self.stats = collections.Counter()
-    self.acceptance_histogram = collections.Counter()
     self._thread: threading.Thread | None = None
     self._stop = False
     self.state = self._empty_state()
@@ -216,9 +215,8 @@ class SlotEngine:
   def submit(self, prompt: Sequence[int], max_tokens: int, stop_ids: Sequence[int],
              emit: Callable[[list[int], str | None], None]) -> Request:
     """Queues a request (RequestError for a bad one, QueueFull when the queue is full)."""
-    prompt = [int(t) for t in prompt] if all(isinstance(t, (int, np.integer)) for t in prompt) \
-        else list(prompt)
     self.check(prompt, max_tokens)
+    prompt = [int(t) for t in prompt]
     req = Request(prompt=prompt, max_tokens=max_tokens, stop_ids=frozenset(stop_ids), emit=emit)
     with self.lock:
       if len(self.queue) >= self.config.max_queue:
@@ -305,7 +303,6 @@ class SlotEngine:
           if have >= req.max_tokens:  # steps past the request's end (dropped) are not counted
             break
           req.acceptance.append(c)
-          self.acceptance_histogram[c] += 1
           have += c
         done_before = req.sent  # tokens [sent, n_out) are new (the first came with the prefill)
         self._deliver(req, [int(t) for t in out[slot, done_before:n_out[slot]]])
