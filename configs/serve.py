@@ -1,5 +1,5 @@
 """The OpenAI-compatible server (`make serve`, experiments/serve.py): the bundled pair on CPU by
-default, DDTree at one budget chosen at start.
+default, DDTree at one budget chosen at start, greedy or sampled per request.
 
   python -m experiments.serve --config=configs/serve.py --config.target=/models/Qwen3-8B \
       --config.drafter=/models/Qwen3-8B-DFlash --config.dtype=bfloat16 --config.serve.budget=32
@@ -29,4 +29,7 @@ def get_config():
   s.chunk_steps = 8                 # decode steps per chunk between two admissions
   s.prompt_buckets = "64,256"       # prompts are padded to the first bucket that fits
   s.max_queue = 256                 # waiting requests; more are answered 429
+  s.sampling = True                 # per-request temperature / top_p / top_k / seed; False: a
+                                    # greedy-only program (temperature > 0 is a 400)
+  s.max_top_k = 64                  # the largest top_k a request may ask for
   return c

@@ -13,6 +13,8 @@ allows. The Pallas kernel (``ddtree_jax.pallas.tree_attention``) implements the 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -25,6 +27,13 @@ def einsum_f32(spec, a, b):
   if a.dtype != jnp.float32 and jax.default_backend() == "cpu":
     a, b = a.astype(jnp.float32), b.astype(jnp.float32)
   return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "dtype", "std"))
+def random_weight(key, shape, dtype, std):
+  """std * N(0, 1) of `shape` in `dtype` (random benchmark and test weights), drawn in float32 in
+  one fused program: no float32 copy of a large weight (an expert stack) is ever materialised."""
+  return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
 
 
 def cache_layer(k_cache, v_cache, layer):

@@ -121,7 +121,8 @@ def make_tree(lc: LoopConfig, draft_logits, bonus, draft_vocab=None):
   if lc.method == "chain":
     tree = tree_lib.chain_tree(draft_logits, bonus)
   else:
-    tree = tree_lib.build_tree(draft_logits, lc.budget, lc.topk_cap, root_token=bonus)
+    tree = tree_lib.build_tree(draft_logits, lc.budget, lc.topk_cap, root_token=bonus,
+                               vocab_top=lc.kernels.vocab_top_k)
   if draft_vocab is None:
     return tree
   root, drafted = tree.tokens[..., :1], tree.tokens[..., 1:]  # the root is the bonus, an id
@@ -166,6 +167,14 @@ def step(tparams, tcfg, dparams, dcfg, lc: LoopConfig, state: DecodeState) -> De
 @functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "lc", "capacity"))
 def prefill(tparams, dparams, tokens, lens, key, *, tcfg, dcfg, lc: LoopConfig, capacity: int):
   """Prompts [B, T] (right-padded, true lengths `lens`) -> the initial DecodeState."""
+  pick = lambda logits, k: verify.pick(logits, lc.temperature, k, lc.top_k, lc.top_p)
+  return prefill_with(pick, tparams, dparams, tokens, lens, key, tcfg=tcfg, dcfg=dcfg, lc=lc,
+                      capacity=capacity)
+
+
+def prefill_with(pick, tparams, dparams, tokens, lens, key, *, tcfg, dcfg, lc: LoopConfig,
+                 capacity: int):
+  """`prefill` (not jitted) with the first token pick(logits [B, V], key) -> [B] int32."""
   b, t = tokens.shape
   cache = model.init_target_cache(tcfg, b, capacity, tparams.embed.dtype)
   cache = sharding.constrain(cache, lc.mesh, lc.rules)
@@ -185,8 +194,7 @@ def prefill(tparams, dparams, tokens, lens, key, *, tcfg, dcfg, lc: LoopConfig, 
     draft_cache = model.commit(draft_cache, dk, dv, positions, lens)
   last = jnp.take_along_axis(hidden, (lens - 1)[:, None, None], axis=1)[:, 0]
   key, pick_key = jax.random.split(key)
-  first = verify.pick(model.lm_head(tparams, last), lc.temperature, pick_key, lc.top_k,
-                      lc.top_p)
+  first = pick(model.lm_head(tparams, last), pick_key)
   m = lc.max_new_tokens
   done = jnp.isin(first, jnp.asarray(lc.stop_ids, jnp.int32)) | (m <= 1)
   state = DecodeState(

@@ -202,6 +202,13 @@ class Kernels:
     return mixture
 
   @functools.cached_property
+  def vocab_top_k(self) -> Callable:
+    """Draft logits [B, L, V], k -> the tree's top-k values and ids [B, L, k] and logsumexp
+    [B, L, 1] (`tree.vocab_top_k`); on a mesh per vocab shard (`shard_vocab_top_k`)."""
+    from ddtree_jax import tree  # pylint: disable=import-outside-toplevel
+    return tree.vocab_top_k if self.mesh is None else shard_vocab_top_k(self.mesh, self._rules)
+
+  @functools.cached_property
   def outside_verify(self) -> Kernels:
     """The kernels of the prefill and the drafter: these, with XLA's residual add + RMSNorm
     (the residual kernel's rule was fitted to the verify)."""
@@ -366,3 +373,45 @@ def shard_embed_lookup(mesh, rules=None) -> Callable:
                          out_specs=P(bt, *rest, None), check_vma=False)(table, tokens)
 
   return lookup
+
+
+def shard_vocab_top_k(mesh, rules=None) -> Callable:
+  """`tree.vocab_top_k` for vocab-split logits [B, L, V], per shard: each device takes the top k
+  of its slice of V (global ids) and its slice's max and sum of exp, one all-gather brings every
+  shard's, and each device merges them: the top k of the tp * k candidates (laid out by shard,
+  so ties still go to the lower id: exactly lax.top_k's values and ids) and the logsumexp.
+  Left to GSPMD the tree's chunked top-k took 4 collectives, and where the chunk count did not
+  divide by tp it gathered the logits first (experiments/perf/collectives.py)."""
+  from ddtree_jax import tree  # pylint: disable=import-outside-toplevel
+  rules = _rules_or_default(rules)
+
+  def top(logits, k):
+    size = lambda name: mesh.shape[name] if name in mesh.shape else 1
+    v = logits.shape[-1]
+    voc = rules.vocab if rules.vocab in mesh.shape and v % size(rules.vocab) == 0 else None
+    if voc is None or v // size(voc) < k:
+      return tree.vocab_top_k(logits, k)
+    bt = rules.batch if (rules.batch in mesh.shape and rules.batch != voc
+                         and logits.shape[0] % size(rules.batch) == 0) else None
+
+    def local(x):
+      x = x.astype(jnp.float32)
+      vals, ids = tree.top_k(x, k)
+      ids = ids + jax.lax.axis_index(voc) * x.shape[-1]
+      m = jnp.max(x, axis=-1, keepdims=True)
+      s = jnp.sum(jnp.exp(x - m), axis=-1, keepdims=True)
+      packed = jnp.concatenate([vals, jax.lax.bitcast_convert_type(ids, jnp.float32), m, s], -1)
+      allp = jax.lax.all_gather(packed, voc, axis=x.ndim - 1)  # [B, L, tp, 2k + 2]
+      cand = allp[..., :k].reshape(x.shape[:-1] + (-1,))      # by shard: ties to the lower id
+      cand_ids = jax.lax.bitcast_convert_type(allp[..., k:2 * k], jnp.int32).reshape(cand.shape)
+      vals, pos = jax.lax.top_k(cand, k)
+      ms, ss = allp[..., 2 * k], allp[..., 2 * k + 1]
+      mx = jnp.max(ms, axis=-1, keepdims=True)
+      lse = mx + jnp.log(jnp.sum(ss * jnp.exp(ms - mx), axis=-1, keepdims=True))
+      return vals, jnp.take_along_axis(cand_ids, pos, axis=-1), lse
+
+    spec = P(bt, None, None)
+    return jax.shard_map(local, mesh=mesh, in_specs=P(bt, None, voc), out_specs=(spec,) * 3,
+                         check_vma=False)(logits)
+
+  return top

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax.attention import NEG_INF, einsum_f32
+from ddtree_jax.attention import NEG_INF, einsum_f32, random_weight
 
 Array = jax.Array
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: HF's default eps, not rms_norm_eps
@@ -132,7 +132,7 @@ def init_params(cfg, key, dtype, std: float = 0.02) -> MLAParams:
   dn, r, dv, c, q = (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
                      cfg.kv_lora_rank, cfg.q_lora_rank)
   keys = iter(jax.random.split(key, 8))
-  w = lambda *shape: (std * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
+  w = lambda *shape: random_weight(next(keys), shape, dtype, std)
   return MLAParams(wq=None if q else w(h, n, dn + r), wq_a=w(h, q) if q else None,
                    q_a_norm=jnp.ones((q,), dtype) if q else None,
                    wq_b=w(q, n, dn + r) if q else None, wkv_a=w(h, c + r),

@@ -17,7 +17,7 @@ import numpy as np
 from ddtree_jax import kernels as kernels_lib
 from ddtree_jax import mla as mla_lib
 from ddtree_jax import moe as moe_lib
-from ddtree_jax.attention import einsum_f32
+from ddtree_jax.attention import einsum_f32, random_weight
 from ddtree_jax.config import ModelConfig
 
 Array = jax.Array
@@ -362,7 +362,7 @@ def init_params(cfg: ModelConfig, key, dtype=jnp.bfloat16, std: float = 0.02) ->
   """Random weights (benchmarks and tests); norms near 1."""
   h, n, k, d, i = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
   keys = iter(jax.random.split(key, 8 * cfg.num_layers + 3))
-  w = lambda *shape: (std * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
+  w = lambda *shape: random_weight(next(keys), shape, dtype, std)
   ones = lambda m: jnp.ones((m,), dtype)
 
   def mlp(layer):

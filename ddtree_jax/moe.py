@@ -22,6 +22,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from ddtree_jax.attention import random_weight
+
 Array = jax.Array
 
 
@@ -158,7 +160,7 @@ def init_params(key, hidden: int, num_experts: int, intermediate: int, dtype,
                 std: float = 0.02, bias: bool = False) -> MoEParams:
   """Random experts (benchmarks and tests); the router (and bias) in float32."""
   k1, k2, k3 = jax.random.split(key, 3)
-  w = lambda k, *shape: (std * jax.random.normal(k, shape, jnp.float32)).astype(dtype)
+  w = lambda k, *shape: random_weight(k, shape, dtype, std)
   return MoEParams(router=std * jax.random.normal(k1, (hidden, num_experts), jnp.float32),
                    w_gate_up=w(k2, num_experts, hidden, 2, intermediate),
                    w_down=w(k3, num_experts, intermediate, hidden),

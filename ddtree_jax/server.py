@@ -1,14 +1,17 @@
 """An OpenAI-compatible HTTP server over a `slots.SlotEngine` (FastAPI + uvicorn).
 
-  POST /v1/completions        prompt (text or token ids), max_tokens, stop, stream
+  POST /v1/completions        prompt (text or token ids), max_tokens, stop, stop_token_ids,
+                              stream, temperature, top_p, top_k, seed
   POST /v1/chat/completions   messages rendered with the checkpoint's chat template (sandboxed
                               Jinja, the Hugging Face convention), the same options
   GET  /v1/models, /health, /metrics (Prometheus text)
 
-Greedy decoding (temperature 0; absent means 0). `usage` counts prompt and completion tokens;
-the extension field `ddtree.acceptance_lengths` lists the tokens each decode step committed
-for the request. Bad input is answered 400 with the field named, a full queue 429; the server
-keeps serving either way. A client that disconnects mid-stream frees its slot.
+Temperature 0 (also when absent) is greedy; above 0 a request samples (top_p; top_k -1 or 0 is
+off) with its own seed (absent: a random one): same seed, same tokens, whatever shares the
+batch. `usage` counts prompt and completion tokens; the extension field
+`ddtree.acceptance_lengths` lists the tokens each decode step committed for the request. Bad
+input is answered 400 with the field named, a full queue 429; the server keeps serving either
+way. A client that disconnects mid-stream frees its slot.
 """
 
 from __future__ import annotations
@@ -136,11 +139,6 @@ def make_app(engine: slots_lib.SlotEngine, tokenizer, model_name: str,
     if body.get("model", model_name) != model_name:
       raise BadRequest("model", f"unknown model {body.get('model')!r}; this server has "
                                 f"{model_name!r}")
-    t = body.get("temperature", 0)
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or t < 0:
-      raise BadRequest("temperature", f"temperature must be a number >= 0, got {t!r}")
-    if t > 0:
-      raise BadRequest("temperature", "this server decodes greedily: temperature must be 0")
     return body
 
   def options(body):
@@ -155,15 +153,17 @@ def make_app(engine: slots_lib.SlotEngine, tokenizer, model_name: str,
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
       raise BadRequest("stream", "stream must be true or false")
-    return max_tokens, stop, stop_ids, stream
+    defaults = dict(temperature=0.0, top_p=1.0, top_k=0, seed=None)  # JSON null: the default
+    sampling = {k: d if body.get(k) is None else body[k] for k, d in defaults.items()}
+    return max_tokens, stop, stop_ids, stream, sampling
 
-  async def run(prompt_ids, max_tokens, stop, stop_ids):
+  async def run(prompt_ids, max_tokens, stop, stop_ids, sampling):
     """Submits the request; yields (text delta, token count, finish_reason) as chunks come."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
     emit = lambda toks, reason: loop.call_soon_threadsafe(queue.put_nowait, (toks, reason))
     try:
-      req = engine.submit(prompt_ids, max_tokens, stop_ids, emit)
+      req = engine.submit(prompt_ids, max_tokens, stop_ids, emit, **sampling)
     except slots_lib.RequestError as e:
       raise BadRequest(e.field, str(e)) from None
     except slots_lib.QueueFull as e:
@@ -194,9 +194,9 @@ def make_app(engine: slots_lib.SlotEngine, tokenizer, model_name: str,
     return {"id": rid, "object": kind, "created": created, "model": model_name}
 
   async def respond(prompt_ids, body, chat: bool):
-    max_tokens, stop, stop_ids, stream = options(body)
+    max_tokens, stop, stop_ids, stream, sampling = options(body)
     rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
-    gen = run(prompt_ids, max_tokens, stop, stop_ids)
+    gen = run(prompt_ids, max_tokens, stop, stop_ids, sampling)
     first = await gen.__anext__()  # a bad request raises here, before any byte is sent
 
     def usage(n):

@@ -8,7 +8,8 @@ decode-state pytree into a matching pytree of NamedShardings. Layouts (model.py,
   wq [H, N, D] split N     wkv [H, 2, K, D] split K    wo [N, D, H] split N (row parallel:
   w_gate_up [H, 2, I] split I    w_down [I, H] split I      XLA inserts the all-reduce)
   embed [V, H], lm_head [H, V] split V (argmax/top-k still return global ids)
-  norms, q_norm, k_norm replicated; drafter fc [k*H, H] split on its output columns
+  norms, q_norm, k_norm replicated; drafter fc [k*H, H] split on its output columns when its
+  kv heads split (replicated when they are)
   an int8 drafter's Int8Weight: q (K-major) and scale split like the float weight's dims
   (its stacked context_wkv [H, L, 2, K, D] split K); a drafter's own lm_head [H, V or Vd] split
   like the target's (replicated when a draft vocabulary's Vd is not divisible), draft_vocab
@@ -66,6 +67,13 @@ class ShardingRules:
 
 
 DEFAULT_RULES = ShardingRules()
+
+# Named layouts (`--mesh_layout`, `rules_from_flags`). "split": every layer's heads and MLP width
+# over tp, two all-reduces per layer. "replicated_attention": attention weights and KV caches
+# whole on every device, only the MLP (and the vocab) split: one all-reduce per layer, for small
+# batches, where a collective's latency costs more than reading the attention weights.
+LAYOUTS = {"split": DEFAULT_RULES,
+           "replicated_attention": ShardingRules(heads=None, kv_heads=None)}
 
 
 def make_mesh(shape: dict[str, int] | None = None, devices=None) -> Mesh:
@@ -165,7 +173,13 @@ def _param_specs(params: Params, mesh, rules) -> Params:
 
 
 def _drafter_specs(params: DrafterParams, mesh, rules) -> DrafterParams:
+  """As the target's, and fc split on its output columns only when the layers' kv heads split:
+  its output feeds their k/v projections, and with those replicated a split fc output made GSPMD
+  split the drafter's residual stream over H (12 collectives per drafter layer instead of 2 at
+  the Qwen3-30B-A3B shape on tp=8: experiments/perf/collectives.py)."""
   fc = _axis(mesh, rules, "fc", params.fc.shape[1], "drafter fc output (hidden_size)")
+  if _axis(mesh, rules, "kv_heads", params.layers[0].wkv.shape[2], "drafter kv heads") is None:
+    fc = None
   head = params.lm_head
   if head is not None:
     vd, name = head.shape[1], rules.vocab
@@ -345,6 +359,22 @@ def mesh_from_flags() -> Mesh | None:
   return make_mesh(shape)
 
 
-__all__ = ["DEFAULT_RULES", "ShardingRules", "batch_multiple", "check_mesh", "constrain",
-           "define_mesh_flags", "initialize_distributed", "make_mesh", "mesh_from_flags",
-           "pad_batch", "put_batch", "replicate", "shard_params", "shardings", "specs", "to_host"]
+def define_layout_flag() -> None:
+  """absl flag --mesh_layout (a name of LAYOUTS), for scripts that pass `rules_from_flags()` on
+  to their params, caches and kernels (a script without it refuses the flag)."""
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  if "mesh_layout" not in flags.FLAGS:
+    flags.DEFINE_enum("mesh_layout", "split", list(LAYOUTS), "sharding.LAYOUTS: split (heads and "
+                      "MLP over tp) or replicated_attention (the MLP only: one all-reduce a layer)")
+
+
+def rules_from_flags() -> ShardingRules:
+  """The ShardingRules of --mesh_layout."""
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  return LAYOUTS[flags.FLAGS.mesh_layout]
+
+
+__all__ = ["DEFAULT_RULES", "LAYOUTS", "ShardingRules", "batch_multiple", "check_mesh",
+           "constrain", "define_layout_flag", "define_mesh_flags", "initialize_distributed",
+           "make_mesh", "mesh_from_flags", "pad_batch", "put_batch", "replicate",
+           "rules_from_flags", "shard_params", "shardings", "specs", "to_host"]

@@ -4,11 +4,14 @@ all slots on device -> stream each slot's new tokens -> evict finished slots -> 
 
 Every shape is static per (method, budget, slots, capacity, K): one prefill program per bucket,
 one insert, one chunk of K steps. A free slot is a finished ("done") row, which the step skips.
-A request's tokens depend on its own prompt only, never on which requests share the batch (each
-row's step reads its own cache rows; the experts' routing is per row). Stop tokens and
-max_tokens per slot is an array the chunk stops each slot at (a chunk ends early once every
-slot is done); stop ids are applied per request on the host after each chunk, so one compiled
-program serves every request (tokens a slot computes past a stop id are dropped). Greedy decoding only (sampling settings per slot are not implemented).
+Each request's settings are rows of arrays (`Settings`: max_tokens, temperature, top_k, top_p,
+stop ids), so one compiled program serves every mix of requests. A request samples with its own
+PRNG key (from its seed), split once per step of its own, and each row reads its own cache rows
+(the experts route per row): its tokens depend on its prompt, settings and seed only, never on
+its slot or on the requests beside it. Temperature-0 rows take the argmax: the greedy outputs.
+The chunk marks a slot done at its max_tokens or at one of its first `max_stop_ids` stop ids
+and ends early once every slot is done; the host cuts each request at all its stop ids and its
+max_tokens (tokens a slot computes past its end are dropped).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import secrets
 import threading
 import time
 from typing import Callable, Sequence
@@ -24,15 +28,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax import decode
+from ddtree_jax import decode, verify
 from ddtree_jax import kernels as kernels_lib
 from ddtree_jax.checkpoint import Drafter, Target
+from ddtree_jax.row_sampling import Settings, pick, seed_key_data
+
 
 
 @dataclasses.dataclass(frozen=True)
 class SlotConfig:
   """The server's static shapes: method and budget, decode slots, cache rows per slot (prompt +
-  generated tokens), steps per chunk K, prompt length buckets, queue length, attention."""
+  generated tokens), steps per chunk K, prompt length buckets, queue length, attention; sampling
+  (False: a greedy-only program that refuses temperature > 0), the largest top_k, and how many
+  of a request's stop ids the chunk checks on device."""
   method: str = "ddtree"
   budget: int = 16
   slots: int = 8
@@ -41,13 +49,16 @@ class SlotConfig:
   prompt_buckets: tuple[int, ...] = (64, 256, 1024)
   max_queue: int = 256
   attention: str | None = None
+  sampling: bool = True
+  max_top_k: int = 64
+  max_stop_ids: int = 8
 
   def __post_init__(self):
     if self.method not in decode.METHODS:
       raise ValueError(f"SlotConfig.method must be one of {decode.METHODS}, got {self.method!r}")
     if self.method == "ddtree" and not 1 <= self.budget <= 1024:
       raise ValueError(f"SlotConfig.budget must be in [1, 1024], got {self.budget}")
-    for name in ("slots", "capacity", "chunk_steps", "max_queue"):
+    for name in ("slots", "capacity", "chunk_steps", "max_queue", "max_top_k", "max_stop_ids"):
       if getattr(self, name) < 1:
         raise ValueError(f"SlotConfig.{name} must be >= 1, got {getattr(self, name)}")
     if not self.prompt_buckets or sorted(self.prompt_buckets) != list(self.prompt_buckets):
@@ -72,11 +83,16 @@ class QueueFull(RuntimeError):
 @dataclasses.dataclass
 class Request:
   """One generation: `emit(tokens, finish_reason)` is called from the engine's thread with each
-  chunk's new tokens (finish_reason None until the last call: "stop" or "length")."""
+  chunk's new tokens (finish_reason None until the last call: "stop" or "length"). Sampling:
+  temperature 0 = greedy, top_k 0 = off, top_p 1 = off, seed (64-bit) keys the request's draws."""
   prompt: list[int]
   max_tokens: int
   stop_ids: frozenset[int]
   emit: Callable[[list[int], str | None], None]
+  temperature: float = 0.0
+  top_k: int = 0
+  top_p: float = 1.0
+  seed: int = 0
   sent: int = 0                       # tokens emitted so far
   acceptance: list[int] = dataclasses.field(default_factory=list)
   cancelled: bool = False
@@ -88,9 +104,22 @@ class Request:
     self.cancelled = True
 
 
+@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "lc", "capacity", "sampling",
+                                             "max_top_k"))
+def prefill(tparams, dparams, tokens, lens, seed, settings: Settings, *, tcfg, dcfg, lc,
+            capacity: int, sampling: bool, max_top_k: int):
+  """A request's prompt [1, T] -> its batch-1 DecodeState; the first token is picked with its
+  settings (rows [1]) and the key of `seed` (key data [2] uint32), the state keeps the rest."""
+  first = lambda logits, key: pick(logits[:, None], settings, key[None], sampling,
+                                   max_top_k)[:, 0]
+  return decode.prefill_with(first, tparams, dparams, tokens, lens,
+                             jax.random.wrap_key_data(seed), tcfg=tcfg, dcfg=dcfg, lc=lc,
+                             capacity=capacity)
+
+
 @functools.partial(jax.jit, donate_argnames=("state",))
 def _insert(state: decode.DecodeState, one: decode.DecodeState, slot):
-  """Row 0 of the batch-1 state `one` written into row `slot` of `state` (caches, tokens)."""
+  """Row 0 of the batch-1 state `one` written into row `slot` of `state` (caches, tokens, key)."""
   def put(big, small, axis):
     return jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), slot, axis)
 
@@ -103,7 +132,7 @@ def _insert(state: decode.DecodeState, one: decode.DecodeState, slot):
                                                                one.draft_cache),
       bonus=put(state.bonus, one.bonus, 0), out=put(state.out, one.out, 0),
       n_out=put(state.n_out, one.n_out, 0), done=put(state.done, one.done, 0),
-      accepted=put(state.accepted, one.accepted, 1))
+      accepted=put(state.accepted, one.accepted, 1), key=state.key.at[slot].set(one.key))
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
@@ -111,22 +140,57 @@ def _evict(state: decode.DecodeState, slot):
   return dataclasses.replace(state, done=state.done.at[slot].set(True))
 
 
-@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "lc", "steps"),
+def step(tparams, tcfg, dparams, dcfg, lc, state, settings: Settings, sampling: bool = True,
+         max_top_k: int = 64):
+  """`decode.step` with each row's settings and key (state.key [B]); a row is done once it has
+  emitted settings.limit tokens or one of its stop ids."""
+  keys = jax.vmap(jax.random.split)(state.key)  # [B, 2]: the row's next key, its pick key
+  logits = None
+  if lc.method != "ar":
+    with jax.named_scope("draft"):
+      logits = decode.draft(dparams, tparams, dcfg, lc, state)
+  with jax.named_scope("tree"):
+    tree = decode.make_tree(lc, logits, state.bonus, None if dcfg is None else dcfg.vocab(dparams))
+  with jax.named_scope("verify"):
+    vl, new_k, new_v, taps = verify.verify_tree(
+        tparams, tcfg, state.cache, tree.tokens, tree.depths, tree.visibility,
+        () if dcfg is None else dcfg.target_layer_ids, lc.kernels)
+    post = pick(vl, settings, keys[:, 1], sampling, max_top_k)
+  with jax.named_scope("accept_commit"):
+    s = decode.accept_and_commit(dparams, dcfg, lc, state, tree, post, new_k, new_v, taps,
+                                 keys[:, 0])
+  at = state.n_out[:, None] + jnp.arange(lc.num_drafts + 1)  # where this step's tokens went
+  toks = jnp.take_along_axis(s.out, jnp.minimum(at, s.out.shape[1] - 1), axis=1)
+  is_stop = (toks[..., None] == settings.stop[:, None, :]).any(-1) & (at < s.n_out[:, None])
+  return dataclasses.replace(s, done=s.done | is_stop.any(-1) | (s.n_out >= settings.limit))
+
+
+@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "lc", "steps", "sampling",
+                                             "max_top_k"),
                    donate_argnames=("state",), compiler_options=decode.LOOP_COMPILER_OPTIONS)
-def _chunk(tparams, dparams, state, limit, *, tcfg, dcfg, lc, steps: int):
-  """Up to K steps of every slot (finished slots commit nothing), ending early once every slot
-  is done; a slot is done once it has emitted limit [B] tokens (its request's max_tokens).
-  `accepted` restarts at row 0."""
+def chunk(tparams, dparams, state, settings: Settings, *, tcfg, dcfg, lc, steps: int,
+          sampling: bool = True, max_top_k: int = 64):
+  """Up to `steps` steps of every slot (finished slots commit nothing), ending early once every
+  slot is done. `accepted` restarts at row 0."""
   state = dataclasses.replace(state, step=jnp.zeros((), jnp.int32),
                               accepted=jnp.zeros_like(state.accepted),
-                              done=state.done | (state.n_out >= limit))
+                              done=state.done | (state.n_out >= settings.limit))
 
   def one(carry):
     i, s = carry
-    s = decode.step(tparams, tcfg, dparams, dcfg, lc, s)
-    return i + 1, dataclasses.replace(s, done=s.done | (s.n_out >= limit))
+    return i + 1, step(tparams, tcfg, dparams, dcfg, lc, s, settings, sampling, max_top_k)
   return jax.lax.while_loop(lambda c: (c[0] < steps) & ~jnp.all(c[1].done), one,
                             (jnp.zeros((), jnp.int32), state))[1]
+
+
+def loop_config(config: SlotConfig, dcfg) -> decode.LoopConfig:
+  """The decode program's static settings for `config` (dcfg None for AR)."""
+  attention = config.attention or ("pallas" if jax.default_backend() == "gpu" else "xla")
+  return decode.LoopConfig(
+      method=config.method, max_new_tokens=config.capacity,
+      num_drafts=0 if dcfg is None else dcfg.num_drafts,
+      budget=config.budget if config.method == "ddtree" else 0,
+      kernels=kernels_lib.Kernels(attention))
 
 
 class SlotEngine:
@@ -140,15 +204,11 @@ class SlotEngine:
       raise ValueError("SlotEngine serves a target on one device")
     self.target, self.config = target, config
     self.drafter = drafter if config.method != "ar" else None
-    dcfg = None if self.drafter is None else self.drafter.config
-    attention = config.attention or ("pallas" if jax.default_backend() == "gpu" else "xla")
-    self.lc = decode.LoopConfig(
-        method=config.method, max_new_tokens=config.capacity,
-        num_drafts=0 if dcfg is None else dcfg.num_drafts,
-        budget=config.budget if config.method == "ddtree" else 0,
-        kernels=kernels_lib.Kernels(attention))
-    self.dcfg = dcfg
+    self.dcfg = None if self.drafter is None else self.drafter.config
     self.dparams = None if self.drafter is None else self.drafter.params
+    self.lc = loop_config(config, self.dcfg)
+    self._static = dict(tcfg=target.config, dcfg=self.dcfg, lc=self.lc,
+                        sampling=config.sampling, max_top_k=config.max_top_k)
     self.queue: collections.deque[Request] = collections.deque()
     self.active: dict[int, Request] = {}
     self.lock = threading.Condition()
@@ -156,33 +216,36 @@ class SlotEngine:
     self._thread: threading.Thread | None = None
     self._stop = False
     self.state = self._empty_state()
-    self.limit = np.zeros((config.slots,), np.int32)  # per slot: its request's max_tokens
+    self.settings = Settings.free(config.slots, config.max_stop_ids)  # host copy, per slot
+    self._device_settings = None  # its device copy, None once a row changed
 
   # -- device programs ----------------------------------------------------------------------
-  def _prefill(self, prompt: Sequence[int]):
-    bucket = next(b for b in self.config.prompt_buckets if b >= len(prompt))
+  def _prefill(self, req: Request):
+    bucket = next(b for b in self.config.prompt_buckets if b >= len(req.prompt))
     tokens = np.zeros((1, bucket), np.int32)
-    tokens[0, :len(prompt)] = prompt
-    return decode.prefill(self.target.params, self.dparams, jnp.asarray(tokens),
-                          jnp.asarray([len(prompt)], jnp.int32), jax.random.key(0),
-                          tcfg=self.target.config, dcfg=self.dcfg, lc=self.lc,
-                          capacity=self.config.capacity)
+    tokens[0, :len(req.prompt)] = req.prompt
+    row = Settings.free(1, self.config.max_stop_ids)
+    row.set_row(0, req)
+    return prefill(self.target.params, self.dparams, tokens, np.asarray([len(req.prompt)],
+                   np.int32), seed_key_data(req.seed), row, capacity=self.config.capacity,
+                   **self._static)
 
   def _empty_state(self):
-    """Every slot free: a prefill of one-token prompts, marked done."""
+    """Every slot free: a prefill of one-token prompts, marked done, a key per row."""
     b = self.config.slots
     state = decode.prefill(self.target.params, self.dparams, jnp.zeros((b, 16), jnp.int32),
                            jnp.ones((b,), jnp.int32), jax.random.key(0),
                            tcfg=self.target.config, dcfg=self.dcfg, lc=self.lc,
                            capacity=self.config.capacity)
-    return dataclasses.replace(state, done=jnp.ones((b,), bool))
+    return dataclasses.replace(state, done=jnp.ones((b,), bool),
+                               key=jax.random.split(jax.random.key(0), b))
 
   def warm_up(self) -> float:
     """Compiles (or loads from the persistent cache) every program: one prefill per bucket,
     insert, evict, the chunk. Returns the seconds it took."""
     t0 = time.perf_counter()
     for bucket in self.config.prompt_buckets:
-      one = self._prefill([0] * bucket)
+      one = self._prefill(Request([0] * bucket, 1, frozenset(), lambda *_: None))
     self.state = _insert(self.state, one, 0)
     self.state = _evict(self.state, 0)
     self.state = self._run_chunk()
@@ -190,12 +253,18 @@ class SlotEngine:
     return time.perf_counter() - t0
 
   def _run_chunk(self):
-    return _chunk(self.target.params, self.dparams, self.state, jnp.asarray(self.limit),
-                  tcfg=self.target.config, dcfg=self.dcfg, lc=self.lc,
-                  steps=self.config.chunk_steps)
+    if self._device_settings is None:
+      self._device_settings = jax.tree.map(jnp.array, self.settings)  # copies
+    return chunk(self.target.params, self.dparams, self.state, self._device_settings,
+                 steps=self.config.chunk_steps, **self._static)
+
+  def _set_slot(self, slot: int, req: Request | None) -> None:
+    self.settings.set_row(slot, req)
+    self._device_settings = None
 
   # -- requests ------------------------------------------------------------------------------
-  def check(self, prompt: Sequence[int], max_tokens: int) -> None:
+  def check(self, prompt: Sequence[int], max_tokens: int, temperature=0.0, top_k=0, top_p=1.0,
+            seed=None) -> None:
     """Raises RequestError naming the field when the request cannot be served."""
     v = self.target.config.vocab_size
     if not prompt:
@@ -211,13 +280,32 @@ class SlotEngine:
       raise RequestError("max_tokens", f"prompt ({len(prompt)} tokens) + max_tokens "
                                        f"({max_tokens}) exceeds the context of "
                                        f"{self.config.capacity} tokens")
+    bad = lambda x, kinds: isinstance(x, bool) or not isinstance(x, kinds)
+    cap = self.config.max_top_k
+    for field, value, ok, want in (
+        ("temperature", temperature, not bad(temperature, (int, float)) and 0 <= temperature <= 2,
+         "a number in [0, 2]"),
+        ("top_p", top_p, not bad(top_p, (int, float)) and 0 < top_p <= 1, "a number in (0, 1]"),
+        ("top_k", top_k, not bad(top_k, int) and (-1 <= top_k <= cap or top_k >= v),
+         f"-1 or 0 (off) or an integer in [1, {cap}]"),
+        ("seed", seed, seed is None or not bad(seed, int) and -(1 << 63) <= seed < 1 << 64,
+         "a 64-bit integer")):
+      if not ok:
+        raise RequestError(field, f"{field} must be {want}, got {value!r}")
+    if temperature > 0 and not self.config.sampling:
+      raise RequestError("temperature", "this server decodes greedily (SlotConfig.sampling="
+                                        "False): temperature must be 0")
 
   def submit(self, prompt: Sequence[int], max_tokens: int, stop_ids: Sequence[int],
-             emit: Callable[[list[int], str | None], None]) -> Request:
-    """Queues a request (RequestError for a bad one, QueueFull when the queue is full)."""
-    self.check(prompt, max_tokens)
-    prompt = [int(t) for t in prompt]
-    req = Request(prompt=prompt, max_tokens=max_tokens, stop_ids=frozenset(stop_ids), emit=emit)
+             emit: Callable[[list[int], str | None], None], *, temperature: float = 0.0,
+             top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> Request:
+    """Queues a request (RequestError for a bad one, QueueFull when the queue is full). seed
+    None: a random one."""
+    self.check(prompt, max_tokens, temperature, top_k, top_p, seed)
+    req = Request(prompt=[int(t) for t in prompt], max_tokens=max_tokens,
+                  stop_ids=frozenset(stop_ids), emit=emit, temperature=float(temperature),
+                  top_k=0 if top_k < 0 or top_k >= self.target.config.vocab_size else top_k,
+                  top_p=float(top_p), seed=secrets.randbits(64) if seed is None else seed)
     with self.lock:
       if len(self.queue) >= self.config.max_queue:
         self.stats["rejected"] += 1
@@ -249,11 +337,11 @@ class SlotEngine:
       if req.cancelled:
         continue
       slot = free.pop(0)
-      one = self._prefill(req.prompt)
+      one = self._prefill(req)
       first = int(one.out[0, 0])
       self.state = _insert(self.state, one, slot)
       req.slot, req.sent = slot, 0
-      self.limit[slot] = req.max_tokens
+      self._set_slot(slot, req)
       self.active[slot] = req
       self.stats["prefilled"] += 1
       self._deliver(req, [first])
@@ -279,7 +367,7 @@ class SlotEngine:
       req.emit(keep, reason)
     if reason is not None:
       self.state = _evict(self.state, req.slot)
-      self.limit[req.slot] = 0
+      self._set_slot(req.slot, None)
       del self.active[req.slot]
       self.stats["finished"] += 1
 

@@ -62,12 +62,19 @@ def _pairs(budget: int, k: int) -> tuple[np.ndarray, np.ndarray]:
   return np.asarray(pj, np.int32), np.asarray(pr, np.int32)
 
 
-def _build_one(draft_logits, root_token, budget: int, k: int) -> DraftTree:
-  """Unbatched build: draft_logits [L, V], root_token scalar int32."""
-  depth, n = draft_logits.shape[0], budget + 1
-  logits = draft_logits.astype(jnp.float32)
-  top_vals, top_toks = top_k(logits, k)  # [L, K]
-  logq = jnp.maximum(top_vals - jax.nn.logsumexp(logits, axis=-1, keepdims=True), LOGQ_FLOOR)
+def vocab_top_k(logits, k: int):
+  """The tree's reductions over the vocabulary: logits [..., V] -> (top-k values [..., k] and
+  ids, as `top_k`, and the log normaliser logsumexp [..., 1]), in float32.
+  `kernels.shard_vocab_top_k` computes the same per vocabulary shard on a mesh."""
+  x = logits.astype(jnp.float32)
+  vals, ids = top_k(x, k)
+  return vals, ids, jax.nn.logsumexp(x, axis=-1, keepdims=True)
+
+
+def _build_one(top_vals, top_toks, lse, root_token, budget: int, k: int) -> DraftTree:
+  """Unbatched build from `vocab_top_k`'s [L, K], [L, K], [L, 1]; root_token scalar int32."""
+  depth, n = top_vals.shape[0], budget + 1
+  logq = jnp.maximum(top_vals - lse, LOGQ_FLOOR)
   pad = budget - k
   # Depth-1 beam: the top-K tokens, padded to B with invalid (-inf) entries.
   score1 = jnp.pad(logq[0], (0, pad), constant_values=-jnp.inf)
@@ -201,7 +208,8 @@ def ancestor_closure(parents, depth: int):
   return reach
 
 
-def build_tree(draft_logits, budget: int, topk_cap: int | None = None, root_token=None) -> DraftTree:
+def build_tree(draft_logits, budget: int, topk_cap: int | None = None, root_token=None,
+               vocab_top=vocab_top_k) -> DraftTree:
   """Builds the optimal draft tree of `budget` non-root nodes.
 
   Args:
@@ -209,6 +217,7 @@ def build_tree(draft_logits, budget: int, topk_cap: int | None = None, root_toke
     budget: static int B >= 1, number of non-root nodes (N = B + 1).
     topk_cap: optional static cap on the tokens kept per depth (1 = greedy chain).
     root_token: None (-> -1), a scalar, or [Bt] int array placed at tokens[..., 0].
+    vocab_top: `vocab_top_k` or a function of its contract (on a mesh `Kernels.vocab_top_k`).
   Returns:
     DraftTree with leading batch dims matching draft_logits[..., 0, 0].
   """
@@ -228,9 +237,10 @@ def build_tree(draft_logits, budget: int, topk_cap: int | None = None, root_toke
                      f"of depth <= {depth} with {k} tokens per depth")
   batch = draft_logits.shape[:-2]
   root = jnp.broadcast_to(jnp.asarray(-1 if root_token is None else root_token, jnp.int32), batch)
+  top = vocab_top(draft_logits, k)
   if not batch:
-    return _build_one(draft_logits, root, budget, k)
-  return jax.vmap(lambda x, t: _build_one(x, t, budget, k))(draft_logits, root)
+    return _build_one(*top, root, budget, k)
+  return jax.vmap(lambda v, i, l, t: _build_one(v, i, l, t, budget, k))(*top, root)
 
 
 def chain_tree(draft_logits, root_token) -> DraftTree:

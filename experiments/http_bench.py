@@ -1,34 +1,42 @@
 """Measures any OpenAI-compatible server over HTTP (ddtree-jax's `experiments/serve.py`, SGLang,
 vLLM) with the same code: streaming completions at each concurrency, time to first token,
 time per output token, tokens/s, and the acceptance length when the server reports it
-(ddtree-jax's `ddtree.acceptance_lengths`).
+(ddtree-jax's `ddtree.acceptance_lengths`); and, for the "HTTP within 5 % of in-process" check,
+in-process `generate` one request at a time with the same prompts and lengths.
 
   python -m experiments.bench_matrix --config=configs/default.py \
       --config.endpoint=http://127.0.0.1:8000 --config.concurrency=1,4,16,32
+  python -m experiments.http_bench --config=configs/default.py \
+      --config.endpoint=http://127.0.0.1:8000 --label=16 --json_out=out/serve.jsonl
+  python -m experiments.http_bench --config=configs/default.py --in_process=ar,chain,16 \
+      --capacity=512 --json_out=out/serve.jsonl
 
 Each level sends `requests_per_level` requests (the config's prompts, in turn), `concurrency` at
-a time, greedy, `max_new_tokens` each; prints a table and writes http_bench.json to out_dir.
+a time, `max_new_tokens` each, at the config's temperature (greedy at 0; seed = the config's);
+prints a table and writes http_bench.json to out_dir (and, from the command line, one JSON line
+per row to --json_out).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import statistics
 import time
 
-import openai
-
 from ddtree_jax import files
 
 
-def _one(client, model: str, prompt: str, max_tokens: int) -> dict:
+def _one(client, model: str, prompt: str, max_tokens: int, temperature: float = 0.0,
+         seed: int = 0) -> dict:
   t0 = time.perf_counter()
   first = last = None
   chunks, acceptance, usage = 0, None, None
+  sampling = {"seed": seed} if temperature > 0 else {}
   stream = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
-                                     temperature=0, stream=True,
-                                     stream_options={"include_usage": True})
+                                     temperature=temperature, stream=True,
+                                     stream_options={"include_usage": True}, **sampling)
   for event in stream:
     now = time.perf_counter()
     if event.choices and event.choices[0].text:
@@ -50,8 +58,15 @@ def _pct(values, q):
   return values[min(len(values) - 1, int(round(q * (len(values) - 1))))] if values else None
 
 
-def run(cfg) -> dict:
+def _append(path: str, rows) -> None:
+  if path:
+    with open(path, "a") as f:
+      f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+def run(cfg, label: str = "", json_out: str = "") -> dict:
   """One row per concurrency level of cfg.concurrency against cfg.endpoint."""
+  import openai  # pylint: disable=import-outside-toplevel
   base = cfg.endpoint.rstrip("/")
   client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=600)
   model = cfg.endpoint_model or client.models.list().data[0].id
@@ -63,17 +78,19 @@ def run(cfg) -> dict:
     jobs = [prompts[i % len(prompts)] for i in range(n)]
     t0 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(level) as pool:
-      results = list(pool.map(lambda p: _one(client, model, p, cfg.max_new_tokens), jobs))
+      results = list(pool.map(lambda p: _one(client, model, p, cfg.max_new_tokens,
+                                             cfg.temperature, cfg.seed), jobs))
     wall = time.perf_counter() - t0
     tpots = [r["tpot_s"] for r in results if r["tpot_s"] is not None]
     acc = [a for r in results for a in (r["acceptance"] or [])]
-    rows.append({"concurrency": level, "requests": n, "tokens_per_second":
-                 sum(r["tokens"] for r in results) / wall,
+    rows.append({"label": label, "mode": "http", "concurrency": level, "requests": n,
+                 "tokens_per_second": sum(r["tokens"] for r in results) / wall,
                  "ttft_p50_ms": 1e3 * _pct([r["ttft_s"] for r in results], 0.5),
                  "ttft_p99_ms": 1e3 * _pct([r["ttft_s"] for r in results], 0.99),
                  "tpot_ms": 1e3 * statistics.median(tpots) if tpots else None,
                  "acceptance_length": statistics.mean(acc) if acc else None})
-  print(f"\n{base} model {model!r}, {cfg.max_new_tokens} tokens per request")
+  print(f"\n{base} model {model!r}{' (' + label + ')' if label else ''}, "
+        f"{cfg.max_new_tokens} tokens per request")
   print(f"{'concurrency':>11}{'requests':>9}{'tok/s':>10}{'TTFT p50':>10}{'TTFT p99':>10}"
         f"{'TPOT ms':>9}{'accept':>8}")
   for r in rows:
@@ -85,4 +102,63 @@ def run(cfg) -> dict:
   path = os.path.join(cfg.out_dir, "http_bench.json")
   files.write_json(path, {"endpoint": base, "model": model, "rows": rows}, indent=1)
   print(f"wrote {path}")
+  _append(json_out, rows)
   return {"rows": rows, "file": path}
+
+
+def in_process(cfg, target, drafter, runs, capacity: int | None = None, threads: int = 8):
+  """In-process `generate`, one prompt at a time (concurrency 1), per (method, budget) of runs:
+  a warm-up then cfg.repeats timed calls per prompt. tokens_per_second: tokens over the call's
+  wall time (prefill included, as a client sees it); decode_tokens_per_second: the decode loop's."""
+  import ddtree_jax as dj  # pylint: disable=import-outside-toplevel
+  from experiments import workflow  # pylint: disable=import-outside-toplevel
+  prompts = workflow.make_prompts(cfg, target, len(cfg.prompts))
+  kws = [dict(workflow.generate_kwargs(cfg, m, b or None, drafter), stop_token_ids=(),
+              cache_capacity=capacity) for m, b in runs]
+  dj.compile_many(target, [([prompts[0]], kw) for kw in kws], threads)
+  rows = []
+  for (method, budget), kw in zip(runs, kws):
+    e2e, dec, acc = [], [], []
+    for p in prompts:
+      dj.generate(target, [p], **kw)  # warm-up
+      for _ in range(cfg.repeats):
+        t0 = time.perf_counter()
+        res = dj.generate(target, [p], **kw)
+        e2e.append(len(res.tokens[0]) / (time.perf_counter() - t0))
+        dec.append(res.stats["tokens_per_second"])
+        acc += res.stats["acceptance_lengths"][0]
+    rows.append({"label": str(budget) if budget else method, "mode": "in_process",
+                 "method": method, "budget": budget, "concurrency": 1,
+                 "tokens_per_second": statistics.median(e2e),
+                 "decode_tokens_per_second": statistics.median(dec),
+                 "acceptance_length": statistics.mean(acc) if acc else None})
+    print(json.dumps(rows[-1]), flush=True)
+  return rows
+
+
+def main(_):
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  f = flags.FLAGS
+  cfg = f.config
+  if f.in_process:
+    from experiments import workflow  # pylint: disable=import-outside-toplevel
+    runs = [(x, 0) if x in ("ar", "chain") else ("ddtree", int(x))
+            for x in f.in_process.split(",") if x]
+    target, drafter = workflow.load_models(cfg)
+    _append(f.json_out, in_process(cfg, target, drafter, runs, f.capacity or None))
+  else:
+    run(cfg, f.label, f.json_out)
+
+
+if __name__ == "__main__":
+  from absl import flags as absl_flags
+  from experiments import workflow as _workflow
+  _workflow.define_config("configs/default.py")
+  absl_flags.DEFINE_string("label", "", "names the server in the rows, as --in_process names "
+                           "its runs (ar, chain, a DDTree budget)")
+  absl_flags.DEFINE_string("json_out", "", "append each row here as a JSON line")
+  absl_flags.DEFINE_string("in_process", "", "instead of HTTP: in-process generate at "
+                           "concurrency 1 for these runs (ar, chain or a DDTree budget)")
+  absl_flags.DEFINE_integer("capacity", 0, "in-process cache rows per sequence (the server's "
+                            "serve.capacity; 0 = generate's default)")
+  _workflow.run_app(main)

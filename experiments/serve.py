@@ -31,6 +31,7 @@ def main(_):
     slot_cfg = slots.SlotConfig(
         method=s.method, budget=s.budget, slots=s.slots, capacity=s.capacity,
         chunk_steps=s.chunk_steps, max_queue=s.max_queue, attention=cfg.attention or None,
+        sampling=bool(s.sampling), max_top_k=s.max_top_k,
         prompt_buckets=tuple(int(b) for b in str(s.prompt_buckets).split(",") if b))
   except ValueError as e:
     raise app.UsageError(f"--config.serve: {e}") from None

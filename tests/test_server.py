@@ -1,6 +1,6 @@
 """The slot engine and the OpenAI-compatible server: a real `openai` client against a server
 on 127.0.0.1 (an ephemeral port) inside the test; raw HTTP for bad input; outputs equal offline
-`generate` for the same prompt (float32, greedy)."""
+`generate` for the same prompt (float32; greedy, and sampled with the same seed)."""
 
 import asyncio
 import concurrent.futures
@@ -74,6 +74,8 @@ def test_slot_engine_equals_offline_generate_with_mixed_requests(pair):
   rng = random.Random(0)
   prompts = [[rng.randrange(2, 250) for _ in range(rng.randrange(1, 40))] for _ in range(5)]
   limits = [5, 17, 1, 30, 12]
+  want = [_offline(target, drafter, p, n, budget=8) for p, n in zip(prompts, limits)]
+  stops = [(), (), (), (want[3][6],), ()]  # request 3 stops on device at its first stop id
   got = [[] for _ in prompts]
   done = [threading.Event() for _ in prompts]
   for i, (p, n) in enumerate(zip(prompts, limits)):
@@ -81,12 +83,12 @@ def test_slot_engine_equals_offline_generate_with_mixed_requests(pair):
       got[i].extend(toks)
       if reason:
         done[i].set()
-    engine.submit(p, n, (), emit)
+    engine.submit(p, n, stops[i], emit)
   for d in done:
     assert d.wait(300)
   engine.stop()
-  for p, n, g in zip(prompts, limits, got):
-    assert g == _offline(target, drafter, p, n, budget=8)
+  want[3] = want[3][:want[3].index(want[3][6]) + 1]
+  assert got == want
   assert engine.metrics()["active_slots"] == 0
 
 
@@ -136,6 +138,42 @@ def test_stop_strings_and_token_ids(live):
   assert body["usage"]["completion_tokens"] == toks.index(toks[3]) + 1
 
 
+SAMPLED = dict(temperature=0.9, top_p=0.95, top_k=40)
+
+
+def test_a_sampled_request_follows_its_seed_whatever_shares_the_batch(live):
+  """A sampled request gives offline `generate`'s tokens for its seed (batch 1): alone over
+  HTTP, and in another slot beside greedy and sampled requests; other seeds give other tokens."""
+  url, engine, target, drafter = live
+  ids = target.tokenizer.encode("def merge(a, b):\n").ids
+  want = dj.generate(target, [ids], method="ddtree", drafter=drafter, budget=16,
+                     max_new_tokens=MAX_TOKENS, stop_token_ids=(), seed=1234, **SAMPLED).tokens[0]
+  r = httpx.post(url + "/v1/completions", timeout=120, json={
+      "prompt": ids, "max_tokens": MAX_TOKENS, "seed": 1234, **SAMPLED})
+  assert r.status_code == 200, r.text
+  assert r.json()["choices"][0]["text"] == target.tokenizer.decode(want)
+  got = {name: [] for name in ("greedy", "other", "hot", "ours")}
+  done = {name: threading.Event() for name in got}
+  emit = lambda name: lambda toks, reason: (got[name].extend(toks),
+                                            reason and done[name].set())
+  reqs = [engine.submit([5, 6, 7], 40, (), emit("greedy")),  # these take slots 0-2
+          engine.submit([9, 10], 40, (), emit("other"), seed=7, **SAMPLED),
+          engine.submit(ids, 30, (), emit("hot"), temperature=1.5, seed=1234),
+          engine.submit(ids, MAX_TOKENS, (), emit("ours"), seed=1234, **SAMPLED)]
+  assert all(d.wait(120) for d in done.values())
+  assert reqs[-1].slot == 3 and got["ours"] == want
+  assert got["greedy"][:MAX_TOKENS] == _offline(target, drafter, [5, 6, 7], MAX_TOKENS)
+  texts = {httpx.post(url + "/v1/completions", timeout=120, json={
+      "prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 1.5, "seed": seed}).json()[
+          "choices"][0]["text"] for seed in (1, 2, 3)}
+  assert len(texts) > 1
+  chat = dict(model="ddtree-default", messages=[{"role": "user", "content": "Sort a list."}],
+              max_tokens=MAX_TOKENS, temperature=1.0, seed=99, extra_body={"top_k": 20})
+  one = _client(url).chat.completions.create(**chat).choices[0].message.content
+  parts = _client(url).chat.completions.create(stream=True, **chat)
+  assert "".join(p.choices[0].delta.content or "" for p in parts if p.choices) == one
+
+
 @pytest.mark.parametrize("body,field", [
     (b"{not json", "body"),
     (json.dumps({"model": "other", "prompt": "x"}).encode(), "model"),
@@ -144,6 +182,14 @@ def test_stop_strings_and_token_ids(live):
     (json.dumps({"prompt": ""}).encode(), "prompt"),
     (json.dumps({"prompt": [1, 2, 99999]}).encode(), "prompt"),
     (json.dumps({"prompt": "x", "temperature": -1}).encode(), "temperature"),
+    (json.dumps({"prompt": "x", "temperature": 2.5}).encode(), "temperature"),
+    (json.dumps({"prompt": "x", "temperature": "hot"}).encode(), "temperature"),
+    (json.dumps({"prompt": "x", "temperature": 1, "top_p": 0}).encode(), "top_p"),
+    (json.dumps({"prompt": "x", "top_p": 1.5}).encode(), "top_p"),
+    (json.dumps({"prompt": "x", "top_k": -2}).encode(), "top_k"),
+    (json.dumps({"prompt": "x", "top_k": 100}).encode(), "top_k"),  # above max_top_k (64)
+    (json.dumps({"prompt": "x", "seed": "s"}).encode(), "seed"),
+    (json.dumps({"prompt": "x", "seed": 2 ** 64}).encode(), "seed"),
     (json.dumps({"prompt": "x", "stop": 3}).encode(), "stop"),
 ])
 def test_bad_input_is_a_400_naming_the_field_and_the_server_keeps_serving(live, body, field):

@@ -314,3 +314,24 @@ def test_mesh_helpers_and_flags(monkeypatch):
     assert sharding.mesh_from_flags() is None
   finally:
     fv.unparse_flags()
+
+
+@pytest.mark.parametrize("shape,batch", [({"dp": 1, "tp": 8}, 3), ({"dp": 2, "tp": 4}, 4)])
+def test_shard_vocab_top_k_equals_one_device(shape, batch):
+  """The tree's top-k per vocab shard: lax.top_k's values and ids exactly (ties to the lower
+  id across shards too), the logsumexp to rounding, in one all-gather."""
+  mesh = sharding.make_mesh(shape)
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((batch, 15, 1024)).astype(np.float32)
+  x[:, :, 7] = x[:, :, 900] = x[:, :, 513] = 9.0  # ties across shards
+  want = jax.jit(lambda a: tree.vocab_top_k(a, 32))(x)
+  placed = jax.device_put(x, NamedSharding(mesh, P(None, None, "tp")))
+  fn = jax.jit(lambda a: kernels.shard_vocab_top_k(mesh)(a, 32))
+  got = fn(placed)
+  np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+  np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+  np.testing.assert_allclose(np.asarray(got[2]), np.asarray(want[2]), rtol=1e-6)
+  assert list(np.asarray(got[1])[0, 0, :3]) == [7, 513, 900]
+  hlo = fn.lower(placed).compile().as_text()
+  assert hlo.count(" all-gather(") + hlo.count(" all-gather-start(") == 1
+  assert " all-reduce(" not in hlo

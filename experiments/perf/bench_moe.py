@@ -25,6 +25,7 @@ the same run, from the same inputs' routing). Random weights route near uniforml
 router concentrates more, so real trees touch fewer experts.
 """
 
+import dataclasses
 import functools
 import json
 
@@ -33,15 +34,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax import decode, engine, model, moe
+from ddtree_jax import decode, engine, model, moe, sharding
 from ddtree_jax.kernels import KernelTuning, Kernels
 from experiments.perf import harness
 
 flags.DEFINE_bool("small", False, "tiny shapes (CPU smoke run)")
 flags.DEFINE_bool("latent_pallas", False, "latent attention on the Pallas kernel "
                   "(KernelTuning.latent_pallas; MLA shapes only)")
-flags.DEFINE_string("shape", "qwen3-30b-a3b", "target shape: qwen3-30b-a3b or moonlight-16b-a3b "
-                    "(DeepSeek-V3 architecture: latent attention, shared experts)")
+flags.DEFINE_string("shape", "qwen3-30b-a3b", "target shape: qwen3-30b-a3b, moonlight-16b-a3b or "
+                    "kimi-k2-slice (DeepSeek-V3 architecture: latent attention, shared experts)")
 flags.DEFINE_string("sections", "copy,experts,verify,loop", "comma list of: copy, experts, "
                     "verify, loop")
 flags.DEFINE_string("tokens", "1,17,65,2048", "experts section: token rows T")
@@ -49,6 +50,8 @@ flags.DEFINE_string("impls", "xla,pallas:16x64x128,pallas:16x128x64,pallas:64x12
                     "experts section: xla (ragged_dot), pallas (KernelTuning's rule), "
                     "pallas:BMxBNxBK (fixed tiles), dense (every expert; T <= 65 only)")
 flags.DEFINE_string("verify_tokens", "1,9,17,33,65", "verify section: tokens T (batch 1)")
+flags.DEFINE_string("verify_layers", "", "verify section: also the target cut to its first N "
+                    "layers, for each N of this comma list ('' = all layers only)")
 flags.DEFINE_string("loop_runs", "1:ar,chain,1,4,16,32,64,128,512;8:ar,chain,4,16,64,128",
                     "loop section: 'batch:run,run;...', a run ar, chain or a DDTree budget (ar "
                     "first: the x AR column); each batch compiled, then timed, in turn")
@@ -58,12 +61,15 @@ flags.DEFINE_integer("repeats", 5, "timed repeats (median)")
 flags.DEFINE_integer("compile_threads", 8, "loop programs compiled concurrently")
 flags.DEFINE_float("floor_bandwidth", 4.3e12, "bytes per second of the floors")
 flags.DEFINE_string("json_out", "", "append each row here as a JSON line")
+sharding.define_mesh_flags()
+sharding.define_layout_flag()
 FLAGS = flags.FLAGS
 
 ROWS = []
 
 
 def emit(row):
+  row.update(tp=FLAGS.mesh_tp, ep=FLAGS.mesh_ep, layout=FLAGS.mesh_layout)
   ROWS.append(row)
   print(json.dumps(row), flush=True)
   if FLAGS.json_out:
@@ -99,62 +105,87 @@ def counting_kernels(base: Kernels, counts: list):
   return k
 
 
+def first_layers(params, cfg, n: int):
+  """(params, cfg) of the target's first n layers (the same arrays): a slice's per-layer cost is
+  the difference of two such forwards."""
+  if not 1 <= n <= cfg.num_layers:
+    raise ValueError(f"--verify_layers: {n} is not in [1, {cfg.num_layers}]")
+  return (dataclasses.replace(params, layers=params.layers[:n]),
+          dataclasses.replace(cfg, num_layers=n,
+                              moe_layers=tuple(l for l in cfg.moe_layers if l < n)))
+
+
 def main(_):
   engine.compilation_cache_from_flags()
   small, sections = FLAGS.small, FLAGS.sections.split(",")
   tcfg = harness.target_config(small, FLAGS.shape)
-  tp = harness.random_target(tcfg, jax.random.key(0))
-  dp, dcfg = harness.random_drafter(tcfg, jax.random.key(1), small)
-  kern = Kernels("pallas", tuning=KernelTuning(latent_pallas=FLAGS.latent_pallas))
+  mesh, rules = sharding.mesh_from_flags(), sharding.rules_from_flags()
+  if mesh is not None and "experts" in sections:
+    raise app.UsageError("--sections=experts times the expert GEMMs on one device")
+  if mesh is not None and tcfg.num_kv_heads % dict(mesh.shape)["tp"]:
+    rules = dataclasses.replace(rules, kv_heads=None)  # kv heads replicated where tp > K
+  tp = harness.random_target(tcfg, jax.random.key(0), mesh, rules=rules)
+  dp, dcfg = (harness.random_drafter(tcfg, jax.random.key(1), small) if "loop" in sections
+              else (None, None))
+  dp = sharding.shard_params(dp, mesh, rules)
+  kern = Kernels("pallas", mesh, rules, tuning=KernelTuning(latent_pallas=FLAGS.latent_pallas))
   layers = [l.moe for l in tp.layers if l.moe is not None]  # (dense layers are in dense_bytes)
   e, h, _, inter = layers[0].w_gate_up.shape
   k_top = tcfg.num_experts_per_tok
   expert_bytes = 3 * h * inter * layers[0].w_gate_up.dtype.itemsize
-  experts_total = sum(l.w_gate_up.size * l.w_gate_up.dtype.itemsize
-                      + l.w_down.size * l.w_down.dtype.itemsize for l in layers)
-  dense_bytes = model.param_bytes(tp) - experts_total - tp.embed.size * tp.embed.dtype.itemsize
   router_bytes = sum(l.router.size * 4 for l in layers)
-  heads, k_dim, v_dim = tcfg.cache_layout
-  kv_row = tcfg.num_layers * heads * (k_dim + v_dim) * 2
   bw, prefix = FLAGS.floor_bandwidth, FLAGS.prefix
-  floor_ms = lambda counts, b: (dense_bytes + int(np.sum(counts)) * expert_bytes
-                                + b * prefix * kv_row) / bw * 1e3
-  print(f"devices {jax.devices()}  target {model.param_bytes(tp) / 1e9:.2f} GB (experts "
-        f"{experts_total / 1e9:.2f}, dense w/o embed {dense_bytes / 1e9:.2f}, routers "
-        f"{router_bytes / 1e9:.3f})  expert {expert_bytes / 1e6:.2f} MB  drafter "
-        f"{model.param_bytes(dp) / 1e9:.2f} GB", flush=True)
+
+  def floor_ms(counts, b, p=tp, c=tcfg):
+    """Bytes a forward must read at bw: the non-expert weights (lm_head, not the embedding),
+    the distinct experts per layer `counts`, and b prefixes of KV rows."""
+    experts = sum(l.moe.w_gate_up.nbytes + l.moe.w_down.nbytes for l in p.layers if l.moe)
+    heads, k_dim, v_dim = c.cache_layout
+    kv = c.num_layers * heads * (k_dim + v_dim) * 2
+    dense = model.param_bytes(p) - experts - p.embed.nbytes
+    return (dense + int(np.sum(counts)) * expert_bytes + b * prefix * kv) / bw * 1e3
+
+  print(f"devices {jax.devices()}  target {model.param_bytes(tp) / 1e9:.2f} GB (routers "
+        f"{router_bytes / 1e9:.3f}, floor of the non-expert weights and a 1-row prefix "
+        f"{floor_ms([], 1):.3f} ms)  expert {expert_bytes / 1e6:.2f} MB  drafter "
+        f"{model.param_bytes(dp) / 1e9 if dp else 0:.2f} GB", flush=True)
   if "copy" in sections:
     emit({"section": "copy", "bandwidth_GBps": harness.copy_bandwidth(small) / 1e9})
 
-  def random_state(b, t, key):
+  def random_state(b, t, key, c=tcfg):
     rng = np.random.default_rng(key)
-    cache = harness.random_cache(jax.random.key(key), tcfg, b, prefix + t + 16, prefix)
+    cache = harness.random_cache(jax.random.key(key), c, b, prefix + t + 16, prefix)
     toks = jnp.asarray(rng.integers(0, tcfg.vocab_size, (b, t)), jnp.int32)
     pos = prefix + jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     mask = jnp.asarray(harness.random_tree_mask(rng, b, t))
-    return toks, pos, cache, mask
+    rows = [sharding.replicate(x, mesh) for x in (toks, pos, mask)]
+    return rows[0], rows[1], sharding.shard_params(cache, mesh, rules), rows[2]
 
-  def routed(b, t, key=0):
+  def routed(b, t, key=0, p=tp, c=tcfg):
     """Distinct experts per layer [L] of a verify of t random tokens per sequence (batch b), the
     batch's union. Run eagerly (op by op): a compile per shape would cost more than the run."""
-    toks, pos, cache, mask = random_state(b, t, key)
+    toks, pos, cache, mask = random_state(b, t, key, c)
     counts = []
-    model.forward(tp, tcfg, toks, pos, cache, mask, kernels=counting_kernels(Kernels(), counts))
+    model.forward(p, c, toks, pos, cache, mask, kernels=counting_kernels(kern, counts))
     return np.asarray(jnp.stack(counts))
 
   if "verify" in sections:
-    @jax.jit
-    def verify_forward(p, toks, pos, cache, mask):
-      hidden, _, _, _ = model.forward(p, tcfg, toks, pos, cache, mask, kernels=kern)
-      return jnp.argmax(model.lm_head(p, hidden), axis=-1)
+    for n in harness.ints(FLAGS.verify_layers) or [tcfg.num_layers]:
+      p, c = first_layers(tp, tcfg, n)
 
-    for t in harness.ints(FLAGS.verify_tokens):
-      counts = routed(1, t)
-      s = harness.profiling.median_seconds(verify_forward, tp, *random_state(1, t, 0),
-                                           repeats=FLAGS.repeats)
-      f = floor_ms(counts, 1)
-      emit({"section": "verify", "tokens": t, "distinct_per_layer": float(counts.mean()),
-            "ms": s * 1e3, "floor_ms": f, "ratio_to_floor": s * 1e3 / f})
+      @functools.partial(jax.jit, static_argnums=0)
+      def verify_forward(c, p, toks, pos, cache, mask):
+        hidden, _, _, _ = model.forward(p, c, toks, pos, cache, mask, kernels=kern)
+        return jnp.argmax(model.lm_head(p, hidden), axis=-1)
+
+      for t in harness.ints(FLAGS.verify_tokens):
+        counts = routed(1, t, p=p, c=c)
+        s = harness.profiling.median_seconds(verify_forward, c, p, *random_state(1, t, 0, c),
+                                             repeats=FLAGS.repeats)
+        f = floor_ms(counts, 1, p, c)
+        emit({"section": "verify", "layers": n, "tokens": t,
+              "distinct_per_layer": float(counts.mean()), "ms": s * 1e3, "floor_ms": f,
+              "ratio_to_floor": s * 1e3 / f})
 
   if "experts" in sections:
     def chain(fn):
@@ -165,13 +196,15 @@ def main(_):
         return x
       return jax.jit(run)
 
+    pallas_experts = experts_impl("pallas", kern.tuning)
+
     @jax.jit
     def count_chain(ls, x):
       out = []
       for p in ls:
         w, c = moe.route(p, x, tcfg.routing)
         out.append(moe.distinct_experts(c, e))
-        x = x + moe.grouped(p, x, w, c)
+        x = x + pallas_experts(p, x, w, c)  # (XLA's ragged_dot autotunes on copies of the weights)
       return jnp.stack(out)
 
     for t in harness.ints(FLAGS.tokens):
@@ -232,10 +265,10 @@ def print_tables():
             f"{r['floor_ms']:>10.3f}{r['ratio_to_floor']:>8.2f}  (max diff vs first impl "
             f"{r['max_rel_diff_vs_first']:.1e} of the update)")
   print("\n== Target forward of T tokens (batch 1) vs touched-experts floor")
-  print(f"{'T':>6}{'experts/layer':>15}{'ms':>9}{'floor ms':>10}{'ratio':>8}")
+  print(f"{'layers':>6}{'T':>6}{'experts/layer':>15}{'ms':>9}{'floor ms':>10}{'ratio':>8}")
   for r in ROWS:
     if r["section"] == "verify":
-      print(f"{r['tokens']:>6}{r['distinct_per_layer']:>15.1f}{r['ms']:>9.3f}"
+      print(f"{r['layers']:>6}{r['tokens']:>6}{r['distinct_per_layer']:>15.1f}{r['ms']:>9.3f}"
             f"{r['floor_ms']:>10.3f}{r['ratio_to_floor']:>8.2f}")
   print("\n== Decode loop step (AR, chain, DDTree by budget)")
   print(f"{'run':<7}{'batch':>6}{'T':>5}{'experts/layer':>15}{'step ms':>10}{'x AR':>7}"

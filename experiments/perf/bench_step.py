@@ -59,7 +59,10 @@ flags.DEFINE_string("stage_runs", "", "runs of the sweep that get stage times ('
 flags.DEFINE_integer("marginal_steps", 0, "also time each ar/spec row over this many steps (> "
                      "--steps) and report the per-step slope between the two lengths (a round "
                      "without the per-call cost) and the per-call cost; 0 = off")
+flags.DEFINE_string("shape", "qwen3-8b", "target shape (harness.SHAPES; dense: qwen3-8b, "
+                    "qwen3-32b)")
 sharding.define_mesh_flags()
+sharding.define_layout_flag()
 FLAGS = flags.FLAGS
 
 ROWS = []
@@ -68,6 +71,7 @@ ROWS = []
 def emit(row, mesh):
   if row["section"] in ("ar", "spec"):  # these run on the --mesh_* mesh
     row.update({k: (dict(mesh.shape).get(k, 1) if mesh is not None else 1) for k in ("dp", "tp")})
+    row.update(shape=FLAGS.shape, layout=FLAGS.mesh_layout)
     row["steps_per_check"] = FLAGS.steps_per_check
   ROWS.append(row)
   print(json.dumps(row), flush=True)
@@ -91,17 +95,18 @@ def main(_):
     engine.compilation_cache_from_flags()
   small = FLAGS.small
   sections = FLAGS.sections.split(",")
-  tcfg = harness.target_config(small)
+  tcfg = harness.target_config(small, FLAGS.shape)
   key = jax.random.key(0)
   mesh = sharding.mesh_from_flags()
+  rules = sharding.rules_from_flags()
   if FLAGS.marginal_steps and FLAGS.marginal_steps <= FLAGS.steps:
     raise app.UsageError(f"--marginal_steps={FLAGS.marginal_steps} must exceed "
                          f"--steps={FLAGS.steps}")
   min_new = FLAGS.marginal_steps + 1 if FLAGS.marginal_steps else 0
-  tp = harness.random_target(tcfg, key, mesh, FLAGS.fuse_qkv)
+  tp = harness.random_target(tcfg, key, mesh, FLAGS.fuse_qkv, rules)
   dp, dcfg = harness.random_drafter(tcfg, jax.random.key(1), small)
   try:
-    dps = harness.drafter_variants(dp, tp, FLAGS.drafters.split(","), mesh)
+    dps = harness.drafter_variants(dp, tp, FLAGS.drafters.split(","), mesh, rules)
   except ValueError as e:
     raise app.UsageError(f"--drafters: {e}") from None
   dp = next(iter(dps.values()))
@@ -118,7 +123,8 @@ def main(_):
   steps = FLAGS.steps
 
   def loop_config(attn, **kw):
-    return decode.LoopConfig(kernels=Kernels(attn, mesh), steps_per_check=FLAGS.steps_per_check,
+    return decode.LoopConfig(kernels=Kernels(attn, mesh, rules),
+                             steps_per_check=FLAGS.steps_per_check,
                              max_new_tokens=steps + 1, **kw)
 
   def ar_row(attn, b, prefix):

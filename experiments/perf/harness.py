@@ -63,15 +63,31 @@ def tuning_overrides(tree_attention: str = "", qkv_splits: int = -1,
 # Models
 
 
-SHAPES = ("qwen3-8b", "qwen3-30b-a3b", "moonlight-16b-a3b")
+SHAPES = ("qwen3-8b", "qwen3-32b", "qwen3-30b-a3b", "moonlight-16b-a3b", "kimi-k2-slice")
 
 
 def target_config(small: bool = False, shape: str = "qwen3-8b") -> ModelConfig:
-  """Qwen3-8B's shape (36 layers, hidden 4096, 32 / 8 heads, MLP 12288, vocab 151936), or
+  """Qwen3-8B's shape (36 layers, hidden 4096, 32 / 8 heads, MLP 12288, vocab 151936), Qwen3-32B's
+  (64 layers, hidden 5120, 64 / 8 heads of 128, MLP 25600), or
   Qwen3-30B-A3B's (48 MoE layers, hidden 2048, 32 / 4 heads of 128, 128 experts of width 768,
-  top-8, vocab 151936); small: a tiny 4-layer one of the kind for CPU smoke runs."""
+  top-8, vocab 151936), Moonlight-16B-A3B's (DeepSeek-V3 architecture: 27 layers, hidden 2048,
+  16 MLA heads, 64 + 2 shared experts of 1408, top-6, vocab 163840) or a Kimi-K2 slice (its
+  first 4 layers: 1 dense, 3 of 384 + 1 shared experts of 2048, top-8; hidden 7168, 64 MLA
+  heads, q_lora 1536; 107 GB in bf16); small: a tiny one of the kind for CPU smoke runs."""
   if shape not in SHAPES:
     raise ValueError(f"unknown shape {shape!r}; choose one of {SHAPES}")
+  if shape == "kimi-k2-slice":  # Kimi-K2's layers (61 of them, ~2 TB) cut to what one H200 holds
+    return ModelConfig(model_type="deepseek_v3", qk_norm=False, scoring_func="sigmoid",
+                       norm_topk_prob=True, rope_theta=5e4, max_position_embeddings=8192,
+                       vocab_size=512 if small else 163840, hidden_size=64 if small else 7168,
+                       intermediate_size=128 if small else 18432, num_layers=4,
+                       num_heads=4 if small else 64, num_kv_heads=4 if small else 64,
+                       head_dim=24 if small else 192, num_experts=24 if small else 384,
+                       num_experts_per_tok=8, moe_intermediate_size=32 if small else 2048,
+                       moe_layers=(1, 2, 3), n_shared_experts=1, routed_scaling_factor=2.827,
+                       q_lora_rank=32 if small else 1536, kv_lora_rank=32 if small else 512,
+                       qk_nope_head_dim=16 if small else 128, qk_rope_head_dim=8 if small else 64,
+                       v_head_dim=16 if small else 128)
   if shape == "moonlight-16b-a3b":  # DeepSeek-V3 architecture: MLA + DeepSeekMoE
     mla = dict(model_type="deepseek_v3", qk_norm=False, scoring_func="sigmoid",
                norm_topk_prob=True, rope_theta=5e4, max_position_embeddings=8192)
@@ -103,15 +119,20 @@ def target_config(small: bool = False, shape: str = "qwen3-8b") -> ModelConfig:
     return ModelConfig(model_type="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128,
                        num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32,
                        rope_theta=1e6, max_position_embeddings=40960)
+  if shape == "qwen3-32b":
+    return ModelConfig(model_type="qwen3", vocab_size=151936, hidden_size=5120,
+                       intermediate_size=25600, num_layers=64, num_heads=64, num_kv_heads=8,
+                       head_dim=128, rope_theta=1e6, max_position_embeddings=40960)
   return ModelConfig(model_type="qwen3", vocab_size=151936, hidden_size=4096,
                      intermediate_size=12288, num_layers=36, num_heads=32, num_kv_heads=8,
                      head_dim=128, rope_theta=1e6, max_position_embeddings=40960)
 
 
-def random_target(cfg: ModelConfig, key, mesh=None, fuse_qkv: bool = True) -> model.Params:
-  """Random bf16 target weights placed on `mesh`, or on one device fused (`model.fuse_qkv`) as
-  `checkpoint.load_target` does unless fuse_qkv=False."""
-  params = sharding.shard_params(model.init_params(cfg, key), mesh)
+def random_target(cfg: ModelConfig, key, mesh=None, fuse_qkv: bool = True,
+                  rules=None) -> model.Params:
+  """Random bf16 target weights placed on `mesh` by `rules`, or on one device fused
+  (`model.fuse_qkv`) as `checkpoint.load_target` does unless fuse_qkv=False."""
+  params = sharding.shard_params(model.init_params(cfg, key), mesh, rules)
   return model.fuse_qkv(params) if mesh is None and fuse_qkv else params
 
 
@@ -145,12 +166,13 @@ def random_drafter(tcfg: ModelConfig, key, small: bool = False):
   return params, cfg
 
 
-def drafter_variants(dparams, tparams, names, mesh=None) -> dict[str, Any]:
+def drafter_variants(dparams, tparams, names, mesh=None, rules=None) -> dict[str, Any]:
   """{name: drafter params} for names "bf16" / "int8" (`drafter.quantize_int8`), each optionally
   with ":vN" (drafting over ids 0..N-1, `drafter.restrict_vocab`), e.g. "int8:v32768"."""
-  out = {"bf16": sharding.shard_params(dparams, mesh)}
+  out = {"bf16": sharding.shard_params(dparams, mesh, rules)}
   if any(n.partition(":")[0] == "int8" for n in names):
-    out["int8"] = sharding.shard_params(jax.jit(quantize_int8)(out["bf16"], tparams), mesh)
+    out["int8"] = sharding.shard_params(jax.jit(quantize_int8)(out["bf16"], tparams), mesh,
+                                        rules)
   for name in names:
     base, _, size = name.partition(":v")
     if base not in out or (name != base and not (size.isdigit() and int(size) > 0)):
@@ -158,7 +180,7 @@ def drafter_variants(dparams, tparams, names, mesh=None) -> dict[str, Any]:
                        "(N > 0 ids), e.g. int8:v32768")
     if name != base:
       out[name] = sharding.shard_params(restrict_vocab(out[base], tparams,
-                                                       np.arange(int(size))), mesh)
+                                                       np.arange(int(size))), mesh, rules)
   return {name: out[name] for name in names}
 
 

@@ -19,7 +19,7 @@
 #   experiments/perf/run_h200.sh temperature OUT        # bundled pair, T=0 vs T=1, DDTree B=32
 #   experiments/perf/run_h200.sh m8b OUT      # bench_matrix: Qwen3-8B shape (~360 s)
 #   experiments/perf/run_h200.sh moe OUT      # Qwen3-30B-A3B shape: the HF reference, then bench_moe
-#   experiments/perf/run_h200.sh mla OUT      # Moonlight-16B-A3B shape (MLA): XLA, then Pallas latent
+#   experiments/perf/run_h200.sh mla OUT      # Moonlight-16B-A3B (MLA), Kimi-K2 slice, latent kernel
 #
 # bench_matrix compiles each batch's programs 8 at a time (configs/bench_matrix.py
 # compile_threads); bench_step compiles serially. experiments/perf/compile_offline.py checks compile
@@ -41,12 +41,21 @@ case $what in
       >"$out/ref_moe.log" 2>&1
     timeout 420 $py -m experiments.perf.bench_moe --json_out="$out/moe.jsonl" >"$out/moe.log" 2>&1
     ;;
-  mla)  # DeepSeek-V3 architecture at the Moonlight-16B-A3B shape, ~500 s
+  mla)  # DeepSeek-V3 architecture, ~560 s: the Moonlight-16B-A3B shape (XLA's latent attention),
+        # the Kimi-K2 slice (its first 4 layers and first 2: the per-layer cost by difference;
+        # 107 GB, so JAX may take 95 % of the GPU), the latent kernel vs XLA at long prefixes,
+        # then Moonlight on the Pallas latent kernel
     m="$py -m experiments.perf.bench_moe --shape=moonlight-16b-a3b --compile_threads=8"
-    timeout 300 $m --sections=verify,loop --verify_tokens=1,9,17,33 \
-      --loop_runs="1:ar,8,16,32,64;8:ar,16" --json_out="$out/mla_xla.jsonl" >"$out/mla_xla.log" 2>&1
-    timeout 200 $m --latent_pallas --sections=verify,loop --verify_tokens=1,17 \
-      --loop_runs="1:ar,16,64" --json_out="$out/mla_pallas.jsonl" >"$out/mla_pallas.log" 2>&1
+    timeout 210 $m --sections=verify,loop --verify_tokens=1,9,17,33 \
+      --loop_runs="1:ar,8,16,32,64" --json_out="$out/mla_xla.jsonl" >"$out/mla_xla.log" 2>&1
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout 170 $py -m experiments.perf.bench_moe \
+      --shape=kimi-k2-slice --sections=experts,verify --impls=pallas --tokens=1,9,17,33,65 \
+      --verify_layers=4,2 --verify_tokens=1,9,17,33,65 --repeats=3 \
+      --json_out="$out/kimi.jsonl" >"$out/kimi.log" 2>&1
+    timeout 80 $py -m experiments.perf.bench_latent --heads=16,64 --json_out="$out/latent.jsonl" \
+      >"$out/latent.log" 2>&1
+    timeout 100 $m --latent_pallas --sections=verify,loop --verify_tokens=1,17 \
+      --loop_runs="1:ar,16" --json_out="$out/mla_pallas.jsonl" >"$out/mla_pallas.log" 2>&1
     ;;
   compile)
     timeout 560 $step --sections=compile --attention=pallas --batches=1 --spec_prefixes=1024 \
