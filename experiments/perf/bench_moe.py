@@ -2,15 +2,19 @@
 32 / 4 heads of 128, 128 experts of width 768, top-8, vocab 151936; random bf16 weights) or,
 with --shape=moonlight-16b-a3b, a DeepSeek-V3-architecture one (27 layers, hidden 2048, 16
 latent-attention heads, kv_lora_rank 512, 64 routed + 2 shared experts of 1408, top-6, first
-layer dense, vocab 163840), and a 5-layer dense DFlash drafter, prefix 1K.
+layer dense, vocab 163840), or with --shape=kimi-k2-slice Kimi-K2's first 4 layers (hidden 7168,
+64 latent-attention heads, 384 + 1 shared experts of 2048, top-8; 108 GB), and a 5-layer dense
+DFlash drafter (built only for the loop section), prefix 1K.
 
   python -m experiments.perf.bench_moe             # one H200
   python -m experiments.perf.bench_moe --small     # tiny shapes on CPU (smoke)
 
 Sections, in one run (rows printed as JSON lines as they are measured, tables at the end):
   copy     the copy bandwidth
-  verify   the whole target forward of T tokens (embedding, 48 layers, lm_head on every row)
-           over the prefix under a random tree mask, Pallas kernels: T = 1 is the AR forward
+  verify   the whole target forward of T tokens (embedding, every layer, lm_head on every row)
+           over the prefix under a random tree mask, Pallas kernels: T = 1 is the AR forward;
+           --verify_layers also times the target cut to its first N layers (the same arrays),
+           so a slice's per-layer cost is a difference of two rows
   experts  the 48 MoE layers alone (x <- x + moe(x), router included) over T token rows, for each
            expert-GEMM implementation (--impls): XLA's ragged_dot, the Pallas grouped GEMM at
            given tiles, one dense einsum over all experts; against the floor of the experts the
