@@ -133,6 +133,10 @@ def main(_):
               else (None, None))
   dp = sharding.shard_params(dp, mesh, rules)
   kern = Kernels("pallas", mesh, rules, tuning=KernelTuning(latent_pallas=FLAGS.latent_pallas))
+  # expert counts: on a GPU the Pallas experts (XLA's ragged_dot autotunes on copies of a layer's
+  # weights, more than a Kimi-K2 layer leaves free); on a CPU XLA's (Pallas would be interpreted)
+  on_gpu = jax.default_backend() == "gpu"
+  count_kern = kern if on_gpu else Kernels("xla", mesh, rules)
   layers = [l.moe for l in tp.layers if l.moe is not None]  # (dense layers are in dense_bytes)
   e, h, _, inter = layers[0].w_gate_up.shape
   k_top = tcfg.num_experts_per_tok
@@ -170,7 +174,7 @@ def main(_):
     batch's union. Run eagerly (op by op): a compile per shape would cost more than the run."""
     toks, pos, cache, mask = random_state(b, t, key, c)
     counts = []
-    model.forward(p, c, toks, pos, cache, mask, kernels=counting_kernels(kern, counts))
+    model.forward(p, c, toks, pos, cache, mask, kernels=counting_kernels(count_kern, counts))
     return np.asarray(jnp.stack(counts))
 
   if "verify" in sections:
@@ -200,7 +204,7 @@ def main(_):
         return x
       return jax.jit(run)
 
-    pallas_experts = experts_impl("pallas", kern.tuning)
+    count_experts = experts_impl("pallas", kern.tuning) if on_gpu else moe.grouped
 
     @jax.jit
     def count_chain(ls, x):
@@ -208,7 +212,7 @@ def main(_):
       for p in ls:
         w, c = moe.route(p, x, tcfg.routing)
         out.append(moe.distinct_experts(c, e))
-        x = x + pallas_experts(p, x, w, c)  # (XLA's ragged_dot autotunes on copies of the weights)
+        x = x + count_experts(p, x, w, c)
       return jnp.stack(out)
 
     for t in harness.ints(FLAGS.tokens):
