@@ -134,13 +134,17 @@ def draft(dparams, tparams, dcfg, lc: LoopConfig, state: DecodeState):
   return dcfg.draft(dparams, tparams, state.draft_cache, state.bonus, lc.kernels.outside_verify)
 
 
-def verify_and_pick(tparams, tcfg, dcfg, lc: LoopConfig, state: DecodeState, tree, key):
-  """Target forward over the tree; the target's choice (argmax or sample) at every node."""
+def verify_and_pick(tparams, tcfg, dcfg, lc: LoopConfig, state: DecodeState, tree, key,
+                    pick=None):
+  """Target forward over the tree; the target's choice (argmax or sample) at every node:
+  pick(logits [B, N, V], key) -> [B, N], by default `verify.pick` with lc's settings."""
   taps_at = () if dcfg is None else dcfg.target_layer_ids
   logits, new_k, new_v, taps = verify.verify_tree(tparams, tcfg, state.cache, tree.tokens,
                                                   tree.depths, tree.visibility, taps_at,
                                                   lc.kernels)
-  return verify.pick(logits, lc.temperature, key, lc.top_k, lc.top_p), new_k, new_v, taps
+  if pick is None:
+    pick = lambda x, k: verify.pick(x, lc.temperature, k, lc.top_k, lc.top_p)
+  return pick(logits, key), new_k, new_v, taps
 
 
 def accept_and_commit(dparams, dcfg, lc: LoopConfig, state, tree, post, new_k, new_v, taps, key):
@@ -149,9 +153,19 @@ def accept_and_commit(dparams, dcfg, lc: LoopConfig, state, tree, post, new_k, n
   return _advance(lc, dparams, dcfg, state, new_k, new_v, taps, path, emitted, tau, key)
 
 
-def step(tparams, tcfg, dparams, dcfg, lc: LoopConfig, state: DecodeState) -> DecodeState:
-  """One speculative step for every sequence of the batch."""
-  key, pick_key = jax.random.split(state.key)
+def _split_key(key):
+  """(next key, pick key) of the state's key, or of each row's key when it holds one per row."""
+  if key.ndim == 0:
+    return tuple(jax.random.split(key))
+  keys = jax.vmap(jax.random.split)(key)
+  return keys[:, 0], keys[:, 1]
+
+
+def step(tparams, tcfg, dparams, dcfg, lc: LoopConfig, state: DecodeState,
+         pick=None) -> DecodeState:
+  """One speculative step for every sequence of the batch; `pick` as `verify_and_pick`'s (the
+  slot engine's picks each row with its own settings and key)."""
+  key, pick_key = _split_key(state.key)
   logits = None
   if lc.method != "ar":
     with jax.named_scope("draft"):  # scopes name the stages in profiles (profile_step.py)
@@ -159,7 +173,8 @@ def step(tparams, tcfg, dparams, dcfg, lc: LoopConfig, state: DecodeState) -> De
   with jax.named_scope("tree"):
     tree = make_tree(lc, logits, state.bonus, None if dcfg is None else dcfg.vocab(dparams))
   with jax.named_scope("verify"):
-    post, new_k, new_v, taps = verify_and_pick(tparams, tcfg, dcfg, lc, state, tree, pick_key)
+    post, new_k, new_v, taps = verify_and_pick(tparams, tcfg, dcfg, lc, state, tree, pick_key,
+                                               pick)
   with jax.named_scope("accept_commit"):
     return accept_and_commit(dparams, dcfg, lc, state, tree, post, new_k, new_v, taps, key)
 

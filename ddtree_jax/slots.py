@@ -28,11 +28,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax import decode, verify
+from ddtree_jax import decode
 from ddtree_jax import kernels as kernels_lib
 from ddtree_jax.checkpoint import Drafter, Target
 from ddtree_jax.row_sampling import Settings, pick, seed_key_data
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,21 +143,8 @@ def step(tparams, tcfg, dparams, dcfg, lc, state, settings: Settings, sampling: 
          max_top_k: int = 64):
   """`decode.step` with each row's settings and key (state.key [B]); a row is done once it has
   emitted settings.limit tokens or one of its stop ids."""
-  keys = jax.vmap(jax.random.split)(state.key)  # [B, 2]: the row's next key, its pick key
-  logits = None
-  if lc.method != "ar":
-    with jax.named_scope("draft"):
-      logits = decode.draft(dparams, tparams, dcfg, lc, state)
-  with jax.named_scope("tree"):
-    tree = decode.make_tree(lc, logits, state.bonus, None if dcfg is None else dcfg.vocab(dparams))
-  with jax.named_scope("verify"):
-    vl, new_k, new_v, taps = verify.verify_tree(
-        tparams, tcfg, state.cache, tree.tokens, tree.depths, tree.visibility,
-        () if dcfg is None else dcfg.target_layer_ids, lc.kernels)
-    post = pick(vl, settings, keys[:, 1], sampling, max_top_k)
-  with jax.named_scope("accept_commit"):
-    s = decode.accept_and_commit(dparams, dcfg, lc, state, tree, post, new_k, new_v, taps,
-                                 keys[:, 0])
+  s = decode.step(tparams, tcfg, dparams, dcfg, lc, state,
+                  pick=lambda logits, keys: pick(logits, settings, keys, sampling, max_top_k))
   at = state.n_out[:, None] + jnp.arange(lc.num_drafts + 1)  # where this step's tokens went
   toks = jnp.take_along_axis(s.out, jnp.minimum(at, s.out.shape[1] - 1), axis=1)
   is_stop = (toks[..., None] == settings.stop[:, None, :]).any(-1) & (at < s.n_out[:, None])
