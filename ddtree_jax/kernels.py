@@ -8,8 +8,8 @@ is a jit static argument: each configuration compiles its own program. It holds
   project_qkv    q/k/v projections + q/k RMSNorm + RoPE (`model.project_norm_rope`; Pallas)
   residual_norm  the residual add + next RMSNorm after o and down (`model.residual_norm`; Pallas)
   embed          the embedding lookup (`model.embed_lookup`)
-  moe            a MoE layer's router + experts (`moe.grouped`; its expert GEMMs in Pallas,
-                 `pallas.grouped_gemm`)
+  moe            a MoE layer's router + experts (`moe.grouped`; on Pallas its expert GEMMs
+                 `pallas.grouped_gemm`, decode steps pair by pair)
 
 and, on a mesh, runs each per shard under `jax.shard_map` (a pallas_call cannot take sharded
 operands; the vocab-split lookup needs one psum). `KernelTuning` holds every tuning default of the
@@ -55,6 +55,10 @@ class KernelTuning:
   # block_k), the first entry covering a step's pairs; XLA's ragged_dot past the last entry
   moe_launch: tuple[tuple[int, int, int, int], ...] = ((256, 16, 64, 128), (4096, 16, 128, 64),
                                                        (1 << 30, 64, 128, 64))
+  # steps of at most moe_pair_max (row, expert) pairs run pair by pair, one tile each
+  # (`grouped_gemm.pair_matmul`: no sort, no tile list), tiles (block_m, block_n, block_k)
+  moe_pair_max: int = 64
+  moe_pair_blocks: tuple[int, int, int] = (16, 64, 256)
   # latent attention (MLA) on the Pallas kernel (`pallas.latent_attention`; one device, power-of-
   # two latent and RoPE widths) rather than XLA's form: off until measured on a GPU; each split
   # of the prefix at least latent_split_rows rows, at most latent_max_splits splits
@@ -186,13 +190,21 @@ class Kernels:
   @functools.cached_property
   def moe(self) -> Callable:
     """params, x [R, H], *, routing (`moe.Routing`) -> [R, H]: the router and the dropless
-    mixture of experts. On a mesh per shard: each device runs its experts (and its slice of
-    their width) for every row, and one psum adds the shards."""
+    mixture of experts; on Pallas a step of few pairs pair by pair (`moe.pairs`), others over
+    the sorted pairs (`moe.grouped`). On a mesh per shard: each device runs its experts (and its
+    slice of their width) for every row, and one psum adds the shards."""
     from ddtree_jax import moe as moe_lib  # pylint: disable=import-outside-toplevel
-    experts = moe_lib.grouped
-    if self.attention == "pallas":
-      from ddtree_jax.pallas.grouped_gemm import expert_ops  # pylint: disable=import-outside-toplevel
-      experts = functools.partial(moe_lib.grouped, ops=expert_ops(self.tuning))
+    if self.attention != "pallas":
+      experts = moe_lib.grouped
+    else:
+      from ddtree_jax.pallas import grouped_gemm  # pylint: disable=import-outside-toplevel
+      tuning = self.tuning
+      grouped = functools.partial(moe_lib.grouped, ops=grouped_gemm.expert_ops(tuning))
+      by_pair = functools.partial(moe_lib.pairs, ops=grouped_gemm.pair_ops(tuning))
+
+      def experts(params, x, weights, chosen):
+        return (by_pair if chosen.size <= tuning.moe_pair_max else grouped)(
+            params, x, weights, chosen)
     if self.mesh is not None:
       return shard_moe(experts, self.mesh, self._rules)
 

@@ -121,7 +121,8 @@ def attention_block(layer, cfg, x, h, cos, sin, cache, prefix_len, new_mask, ker
                                 new_mask, scale=cfg.attention_scale,
                                 value_dim=cfg.kv_lora_rank, **kw)
   o = jnp.einsum("btnc,cnv->btnv", o_lat, p.w_uv)
-  x, h = kernels.residual_norm(x, "btnv,nvh->bth", o, p.wo, layer.post_norm,
+  from ddtree_jax import model  # pylint: disable=import-outside-toplevel  (model imports mla)
+  x, h = kernels.residual_norm(x, *model.merge_heads(o, p.wo), layer.post_norm,
                                eps=cfg.rms_norm_eps)
   return x, h, row, row[..., :0]
 

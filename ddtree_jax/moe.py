@@ -12,6 +12,9 @@ its own routing alone, never on which other rows share the batch.
   reference  every expert on every row, then the routing weights pick (tests; E x the work)
   grouped    the (row, expert) pairs sorted by expert, gate/up and down GEMMs over the groups,
              a weighted combine per row (XLA's ragged_dot or the Pallas kernels: `ExpertOps`)
+  pairs      pair by pair, no sort: gate/up and down per (row, expert) pair, then each row's
+             pairs summed in rank order (decode steps, few pairs; XLA's gather of each pair's
+             expert or the Pallas kernels: `PairOps`)
 """
 
 from __future__ import annotations
@@ -148,6 +151,40 @@ def grouped(params: MoEParams, x, weights, experts, ops: ExpertOps = ExpertOps()
   position = jnp.zeros_like(order).at[order].set(jnp.arange(r * k, dtype=order.dtype))
   position = jnp.where(experts < e, position.reshape(r, k), -1)
   return ops.combine(y, position, weights.astype(jnp.float32)).astype(x.dtype)
+
+
+def xla_pair_gate_up(x, w_gate_up, experts):
+  """x [R, H], w_gate_up [E, H, 2, I], experts [R, k] (E: elsewhere) -> silu(gate) * up per
+  pair p = r * k + j [R*k, I], each pair's expert gathered (elsewhere pairs: zeros)."""
+  e, k = w_gate_up.shape[0], experts.shape[1]
+  flat = experts.reshape(-1)
+  gu = jnp.einsum("ph,phsi->psi", jnp.repeat(x, k, axis=0), w_gate_up[jnp.minimum(flat, e - 1)])
+  return jnp.where((flat < e)[:, None], _swiglu(gu), 0).astype(x.dtype)
+
+
+def xla_pair_down(a, w_down, experts):
+  """a [R*k, I], w_down [E, I, H], experts [R, k] -> each pair's down projection [R*k, H]."""
+  flat = experts.reshape(-1)
+  return jnp.einsum("pi,pih->ph", a, w_down[jnp.minimum(flat, w_down.shape[0] - 1)])
+
+
+@dataclasses.dataclass(frozen=True)
+class PairOps:
+  """The two GEMM stages of `pairs`, pair p = r * k + j of experts [R, k] (rows of elsewhere
+  pairs undefined): gate_up (x [R, H], w_gate_up, experts) -> [R*k, I]; down (a [R*k, I],
+  w_down, experts) -> [R*k, H]."""
+  gate_up: Callable = xla_pair_gate_up
+  down: Callable = xla_pair_down
+
+
+def pairs(params: MoEParams, x, weights, experts, ops: PairOps = PairOps()):
+  """Pair by pair through `ops`, no sort, then each row's k pairs summed in rank order. An
+  expert two rows choose is read twice: for steps of few pairs (a decode step; the Pallas
+  kernels: `pallas.grouped_gemm.pair_ops`)."""
+  (r, k), e = experts.shape, params.w_gate_up.shape[0]
+  y = ops.down(ops.gate_up(x, params.w_gate_up, experts), params.w_down, experts)
+  y = jnp.where((experts < e)[:, :, None], y.reshape(r, k, -1).astype(jnp.float32), 0)
+  return _sum_ranks(y, weights.astype(jnp.float32)).astype(x.dtype)
 
 
 def distinct_experts(experts, num_experts: int):

@@ -12,7 +12,8 @@ import ddtree_jax as dj
 from conftest import FIXTURES
 from ddtree_jax import checkpoint, hf_export, kernels, model, moe, sharding
 from ddtree_jax.config import ModelConfig
-from ddtree_jax.pallas.grouped_gemm import combine, expert_ops, grouped_matmul, tiles
+from ddtree_jax.pallas.grouped_gemm import (combine, expert_ops, grouped_matmul, pair_matmul,
+                                            pair_ops, tiles)
 from ddtree_jax.safetensors_io import CheckpointError, read_safetensors, write_safetensors
 from helpers import (assert_lossless, assert_real_drafter_lossless, cached_decode_logits,
                      copy_fixture, drafter_and_ar, edit_config, oracle_drafter, write_drafter)
@@ -38,6 +39,11 @@ def _pallas(*args, blocks=(16, 16, 16)):
   return moe.grouped(*args, ops=expert_ops(kernels.KernelTuning(), blocks))
 
 
+def _pairs_pallas(*args):
+  """moe.pairs on the Pallas kernels (interpret mode), blocks smaller than H and I."""
+  return moe.pairs(*args, ops=pair_ops(kernels.KernelTuning(), (16, 16, 16)))
+
+
 def _experts(seed=0, e=8, h=32, i=24, r=11, k=3):
   key = jax.random.key(seed)
   params = moe.init_params(key, h, e, i, jnp.float32, std=0.3)
@@ -54,7 +60,9 @@ def test_grouped_equals_reference_and_rows_are_independent():
   want = moe.reference(params, x, w, ex)
   _close(moe.grouped(params, x, w, ex), want, 1e-5)
   _close(_pallas(params, x, w, ex), want, 1e-5)
-  for fn in (moe.grouped, _pallas):  # a row alone gives what it gives in the batch
+  _close(moe.pairs(params, x, w, ex), want, 1e-5)
+  _close(_pairs_pallas(params, x, w, ex), want, 1e-5)
+  for fn in (moe.grouped, _pallas, moe.pairs, _pairs_pallas):  # a row alone: as in the batch
     alone = jnp.concatenate([fn(params, x[r:r + 1], w[r:r + 1], ex[r:r + 1]) for r in range(4)])
     _close(alone, fn(params, x, w, ex)[:4], 1e-6)
 
@@ -78,8 +86,33 @@ def test_elsewhere_pairs_add_nothing():
   gone = jnp.where(ex == 2, 8, ex)
   kept = jnp.where(ex == 2, jnp.zeros_like(w), w)
   want = moe.reference(params, x, kept, ex)
-  for fn in (moe.reference, moe.grouped, _pallas):
+  for fn in (moe.reference, moe.grouped, _pallas, moe.pairs, _pairs_pallas):
     _close(fn(params, x, w, gone), want, 1e-5)
+
+
+def test_pair_matmul_rows_and_elsewhere_pairs():
+  """Row p = lhs[lhs_rows[p]] @ rhs[groups[p]] (repeated rows and groups, in any order); a
+  pair of group E is skipped (its row stays unwritten)."""
+  rng = np.random.default_rng(3)
+  lhs = jnp.asarray(rng.normal(size=(3, 40)), jnp.float32)
+  rhs = jnp.asarray(rng.normal(size=(5, 40, 24)), jnp.float32)
+  groups, rows = jnp.asarray([4, 0, 4, 5, 2]), jnp.asarray([0, 0, 2, 1, 1])
+  got = np.asarray(pair_matmul(lhs, rhs, groups, rows, block_n=16, block_k=16))
+  for p in (0, 1, 2, 4):
+    np.testing.assert_allclose(got[p], np.asarray(lhs[rows[p]] @ rhs[groups[p]]), rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_pallas_moe_layer_runs_few_pairs_pair_by_pair():
+  """Kernels("pallas").moe: decode rows (pairs <= moe_pair_max) pair by pair, verify rows
+  over the sorted pairs; both equal the reference."""
+  params, x, _, _ = _experts(r=9)
+  routing = moe.Routing(3, norm_topk_prob=True)
+  layer = kernels.Kernels("pallas", tuning=kernels.KernelTuning(
+      moe_pair_max=6, moe_pair_blocks=(16, 16, 16))).moe
+  for rows in (1, 2, 9):  # 3 and 6 pairs by pair, 27 sorted
+    w, ex = moe.route(params, x[:rows], routing)
+    _close(layer(params, x[:rows], routing=routing), moe.reference(params, x[:rows], w, ex), 1e-5)
 
 
 @pytest.mark.parametrize("m,e,block_m", [(1, 8, 16), (8, 8, 16), (17, 8, 16), (40, 5, 8),

@@ -1,5 +1,6 @@
 """Pallas (Triton GPU) kernels of a mixture-of-experts layer over its (row, expert) pairs sorted
-by expert (`moe.grouped`, whose `ExpertOps` they fill: `expert_ops`).
+by expert (`moe.grouped`, whose `ExpertOps` they fill: `expert_ops`), or pair by pair for a
+step of few pairs (`moe.pairs`, `pair_ops`: pair_matmul, one tile per pair, no sort).
 
 grouped_matmul: `lax.ragged_dot`'s contract, lhs [M, K] whose rows come in consecutive groups
 (group_sizes [E], summing to M), rhs [E, K, N]; row r of group g gives lhs[r] @ rhs[g]. The rows
@@ -10,8 +11,9 @@ no rows (an expert no token chose) has no tile: its weights are never read. The 
 computed on device from group_sizes, so one compiled program serves every routing: there are at
 most min(M, ceil(M / block_m) + E) tiles, and programs past the last one exit. Rows past
 sum(group_sizes) are not written. With swiglu the gate and up projections are one launch and
-the activation is applied to their float32 accumulators. Offsets are 32-bit: rhs must hold
-< 2^31 elements (`expert_ops` falls back to `lax.ragged_dot` above that).
+the activation is applied to their float32 accumulators. Offsets into an operand past 2^32
+bytes are 64-bit (Pallas's Triton lowering picks them by the operand's size), so a Kimi-K2
+layer's 22 GB expert stack takes the same kernel.
 
 combine: each token row's k pair outputs gathered from the sorted rows and summed with their
 router weights in rank order, one launch (XLA's form is a gather and 2k elementwise kernels).
@@ -47,13 +49,14 @@ def tiles(group_sizes, m: int, block_m: int):
   return group, jnp.where(rows > 0, row0, 0), rows
 
 
-def _kernel(group_ref, row0_ref, rows_ref, x_ref, w_ref, o_ref, *, block_m, block_n, block_k,
-            k_dim, n_dim, swiglu):
+def _kernel(group_ref, row0_ref, rows_ref, out0_ref, x_ref, w_ref, o_ref, *, block_m, block_n,
+            block_k, k_dim, n_dim, swiglu):
+  """One tile: rows [r0, r0 + rows) of x times group g's weights, written from row out0."""
   rows, n0 = rows_ref[()], pl.program_id(1) * block_n  # (program_id outside the when: interpret)
 
   @pl.when(rows > 0)
   def _():
-    g, r0 = group_ref[()], row0_ref[()]
+    g, r0, o0 = group_ref[()], row0_ref[()], out0_ref[()]
     row_ok = jnp.arange(block_m) < rows
     col_ok = (n0 + jnp.arange(block_n)) < n_dim
     dot = lambda a, b: lax.dot_general(a, b, (((1,), (0,)), ((), ())),
@@ -72,12 +75,45 @@ def _kernel(group_ref, row0_ref, rows_ref, x_ref, w_ref, o_ref, *, block_m, bloc
     zero = jnp.zeros((block_m, block_n), jnp.float32)
     accs = lax.fori_loop(0, pl.cdiv(k_dim, block_k), step, (zero, zero) if swiglu else (zero,))
     out = jax.nn.silu(accs[0]) * accs[1] if swiglu else accs[0]
-    plgpu.store(o_ref.at[pl.ds(r0, block_m), pl.ds(n0, block_n)], out.astype(o_ref.dtype),
+    plgpu.store(o_ref.at[pl.ds(o0, block_m), pl.ds(n0, block_n)], out.astype(o_ref.dtype),
                 mask=row_ok[:, None] & col_ok[None, :])
 
 
-@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "num_warps",
-                                             "num_stages", "swiglu", "interpret"))
+def _launch(group, row0, rows, out0, lhs, rhs, m_out, *, block_m, block_n, block_k, num_warps,
+            num_stages, swiglu, interpret):
+  """The tiles' pallas_call: lhs [M, K], rhs [E, K, N] (swiglu: [E, K, 2, N]) -> [m_out, N]."""
+  if swiglu:
+    if rhs.ndim != 4 or rhs.shape[2] != 2:
+      raise ValueError(f"grouped_matmul(swiglu=True): rhs must be [E, K, 2, N], got {rhs.shape}")
+    rhs = rhs.reshape(rhs.shape[0], rhs.shape[1], -1)
+  m, k_dim = lhs.shape
+  _, k2, n_dim = rhs.shape
+  n_dim //= 2 if swiglu else 1
+  if k2 != k_dim:
+    raise ValueError(f"grouped_matmul: lhs {lhs.shape}, rhs {rhs.shape} do not match")
+  if lhs.dtype != rhs.dtype:
+    raise ValueError(f"grouped_matmul: lhs is {lhs.dtype}, rhs {rhs.dtype}")
+  if interpret is None:
+    interpret = jax.default_backend() == "cpu"
+  scalar = pl.BlockSpec((None,), lambda t, n: (t,))
+  whole = lambda shape: pl.BlockSpec(shape, lambda t, n: (0,) * len(shape))
+  return pl.pallas_call(
+      functools.partial(_kernel, block_m=block_m, block_n=block_n, block_k=block_k,
+                        k_dim=k_dim, n_dim=n_dim, swiglu=swiglu),
+      grid=(group.shape[0], pl.cdiv(n_dim, block_n)),
+      in_specs=[scalar] * 4 + [whole((m, k_dim)), whole(rhs.shape)],
+      out_specs=whole((m_out, n_dim)),
+      out_shape=jax.ShapeDtypeStruct((m_out, n_dim), lhs.dtype),
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      interpret=interpret,
+      name="grouped_matmul",
+  )(group, row0, rows, out0, lhs, rhs)
+
+
+_STATIC = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "swiglu", "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def grouped_matmul(lhs, rhs, group_sizes, *, block_m: int = 16, block_n: int = 128,
                    block_k: int = 64, num_warps: int = 4, num_stages: int = 2,
                    swiglu: bool = False, interpret=None):
@@ -85,37 +121,31 @@ def grouped_matmul(lhs, rhs, group_sizes, *, block_m: int = 16, block_n: int = 1
   accumulated in float32. swiglu: rhs [E, K, 2, N] (gate, up) -> silu(lhs @ gate) * (lhs @ up)
   [M, N], the activation applied to the float32 accumulators. interpret: None = interpret mode
   on a CPU backend."""
-  if swiglu:
-    if rhs.ndim != 4 or rhs.shape[2] != 2:
-      raise ValueError(f"grouped_matmul(swiglu=True): rhs must be [E, K, 2, N], got {rhs.shape}")
-    rhs = rhs.reshape(rhs.shape[0], rhs.shape[1], -1)
-  m, k_dim = lhs.shape
-  e, k2, n_dim = rhs.shape
-  n_dim //= 2 if swiglu else 1
-  if k2 != k_dim or group_sizes.shape != (e,):
+  if group_sizes.shape != (rhs.shape[0],):
     raise ValueError(f"grouped_matmul: lhs {lhs.shape}, rhs {rhs.shape}, group_sizes "
                      f"{group_sizes.shape} do not match")
-  if lhs.dtype != rhs.dtype:
-    raise ValueError(f"grouped_matmul: lhs is {lhs.dtype}, rhs {rhs.dtype}")
-  if rhs.size >= 1 << 31 or lhs.size >= 1 << 31:
-    raise ValueError(f"grouped_matmul: lhs {lhs.shape} / rhs {rhs.shape} too large for 32-bit "
-                     "offsets (use lax.ragged_dot)")
-  if interpret is None:
-    interpret = jax.default_backend() == "cpu"
-  group, row0, rows = tiles(group_sizes, m, block_m)
-  scalar = pl.BlockSpec((None,), lambda t, n: (t,))
-  whole = lambda shape: pl.BlockSpec(shape, lambda t, n: (0,) * len(shape))
-  return pl.pallas_call(
-      functools.partial(_kernel, block_m=block_m, block_n=block_n, block_k=block_k,
-                        k_dim=k_dim, n_dim=n_dim, swiglu=swiglu),
-      grid=(group.shape[0], pl.cdiv(n_dim, block_n)),
-      in_specs=[scalar, scalar, scalar, whole((m, k_dim)), whole(rhs.shape)],
-      out_specs=whole((m, n_dim)),
-      out_shape=jax.ShapeDtypeStruct((m, n_dim), lhs.dtype),
-      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-      interpret=interpret,
-      name="grouped_matmul",
-  )(group, row0, rows, lhs, rhs)
+  group, row0, rows = tiles(group_sizes, lhs.shape[0], block_m)
+  return _launch(group, row0, rows, row0, lhs, rhs, lhs.shape[0], block_m=block_m,
+                 block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
+                 swiglu=swiglu, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def pair_matmul(lhs, rhs, groups, lhs_rows, *, block_m: int = 16, block_n: int = 64,
+                block_k: int = 128, num_warps: int = 4, num_stages: int = 2,
+                swiglu: bool = False, interpret=None):
+  """One tile per pair, no sort: lhs [M, K], rhs [E, K, N], groups [P] and lhs_rows [P] int ->
+  [P, N], row p = lhs[lhs_rows[p]] @ rhs[groups[p]] (swiglu as grouped_matmul); a pair whose
+  group is E (held elsewhere) is not computed and its row is undefined. For steps of few pairs
+  (a decode step), where every tile of grouped_matmul holds one row anyway."""
+  if groups.shape != lhs_rows.shape or groups.ndim != 1:
+    raise ValueError(f"pair_matmul: groups {groups.shape} and lhs_rows {lhs_rows.shape} differ")
+  p = groups.shape[0]
+  here = (groups < rhs.shape[0]).astype(jnp.int32)
+  return _launch(jnp.minimum(groups, rhs.shape[0] - 1).astype(jnp.int32),
+                 lhs_rows.astype(jnp.int32), here, jnp.arange(p, dtype=jnp.int32), lhs, rhs, p,
+                 block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps,
+                 num_stages=num_stages, swiglu=swiglu, interpret=interpret)
 
 
 def _combine_kernel(*refs, k, block_h, h_dim):
@@ -159,12 +189,12 @@ def expert_ops(tuning, blocks: tuple[int, int, int] | None = None):
   """`moe.ExpertOps` on these kernels: the gate/up GEMM with its SwiGLU fused, the down GEMM,
   the combine; tiles from `blocks` (block_m, block_n, block_k) or, when None, from
   `tuning.moe_blocks` (`kernels.KernelTuning`) for the step's pairs. Where the rule picks
-  none, or the weights are too large for 32-bit offsets, the GEMMs are `lax.ragged_dot`'s."""
+  none the GEMMs are `lax.ragged_dot`'s."""
   from ddtree_jax import moe  # pylint: disable=import-outside-toplevel
 
   def launch(lhs, rhs):
     b = blocks or tuning.moe_blocks(lhs.shape[0])
-    if b is None or rhs.size >= 1 << 31:
+    if b is None:
       return None
     return dict(block_m=b[0], block_n=b[1], block_k=b[2], interpret=tuning.interpret)
 
@@ -179,3 +209,21 @@ def expert_ops(tuning, blocks: tuple[int, int, int] | None = None):
 
   return moe.ExpertOps(gate_up=gate_up, down=down, combine=functools.partial(
       combine, interpret=tuning.interpret))
+
+
+def pair_ops(tuning, blocks: tuple[int, int, int] | None = None):
+  """`moe.PairOps` on `pair_matmul`: gate/up with its SwiGLU fused, then down, one tile per
+  pair, tiles from `blocks` (block_m, block_n, block_k) or `tuning.moe_pair_blocks`."""
+  from ddtree_jax import moe  # pylint: disable=import-outside-toplevel
+  b = blocks or tuning.moe_pair_blocks
+  kw = dict(block_m=b[0], block_n=b[1], block_k=b[2], interpret=tuning.interpret)
+
+  def gate_up(x, w, experts):
+    k = experts.shape[1]
+    rows = jnp.arange(experts.size, dtype=jnp.int32) // k
+    return pair_matmul(x, w, experts.reshape(-1), rows, swiglu=True, **kw)
+
+  def down(a, w, experts):
+    return pair_matmul(a, w, experts.reshape(-1), jnp.arange(a.shape[0], dtype=jnp.int32), **kw)
+
+  return moe.PairOps(gate_up=gate_up, down=down)

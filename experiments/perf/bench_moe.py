@@ -17,8 +17,8 @@ Sections, in one run (rows printed as JSON lines as they are measured, tables at
            so a slice's per-layer cost is a difference of two rows
   experts  the 48 MoE layers alone (x <- x + moe(x), router included) over T token rows, for each
            expert-GEMM implementation (--impls): XLA's ragged_dot, the Pallas grouped GEMM at
-           given tiles, one dense einsum over all experts; against the floor of the experts the
-           rows touch
+           given tiles, pair by pair (one tile each, no sort), one dense einsum over all
+           experts; against the floor of the experts the rows touch
   loop     the decode loop's step (lax.while_loop, Pallas kernels): AR, chain and DDTree by
            budget at each batch, with the distinct experts the verify of B + 1 random tokens
            routes to per layer (the batch's union)
@@ -52,7 +52,9 @@ flags.DEFINE_string("sections", "copy,experts,verify,loop", "comma list of: copy
 flags.DEFINE_string("tokens", "1,17,65,2048", "experts section: token rows T")
 flags.DEFINE_string("impls", "xla,pallas:16x64x128,pallas:16x128x64,pallas:64x128x64",
                     "experts section: xla (ragged_dot), pallas (KernelTuning's rule), "
-                    "pallas:BMxBNxBK (fixed tiles), dense (every expert; T <= 65 only)")
+                    "pallas:BMxBNxBK (fixed tiles), pairs (pair by pair, one tile each), "
+                    "pairs:BMxBNxBK, xla_pairs (XLA's pair form), dense (every expert; T <= 65 "
+                    "only)")
 flags.DEFINE_string("verify_tokens", "1,9,17,33,65", "verify section: tokens T (batch 1)")
 flags.DEFINE_string("verify_layers", "", "verify section: also the target cut to its first N "
                     "layers, for each N of this comma list ('' = all layers only)")
@@ -83,16 +85,19 @@ def emit(row):
 
 def experts_impl(name: str, tuning: KernelTuning):
   """An experts implementation (params, x, weights, chosen) -> [R, H] by --impls name."""
-  from ddtree_jax.pallas.grouped_gemm import expert_ops  # pylint: disable=import-outside-toplevel
-  if name == "xla":
+  from ddtree_jax.pallas import grouped_gemm  # pylint: disable=import-outside-toplevel
+  kind, _, blocks = name.partition(":")
+  blocks = tuple(int(v) for v in blocks.split("x")) if blocks else None
+  if kind == "xla":
     return moe.grouped
-  if name == "dense":
+  if kind == "xla_pairs":  # each pair's expert gathered (a copy per pair)
+    return moe.pairs
+  if kind == "dense":
     return moe.reference
-  if name == "pallas":
-    return functools.partial(moe.grouped, ops=expert_ops(tuning))
-  if name.startswith("pallas:"):
-    blocks = tuple(int(v) for v in name[len("pallas:"):].split("x"))
-    return functools.partial(moe.grouped, ops=expert_ops(tuning, blocks))
+  if kind == "pallas":
+    return functools.partial(moe.grouped, ops=grouped_gemm.expert_ops(tuning, blocks))
+  if kind == "pairs":
+    return functools.partial(moe.pairs, ops=grouped_gemm.pair_ops(tuning, blocks))
   raise app.UsageError(f"--impls: unknown {name!r}")
 
 

@@ -20,6 +20,7 @@
 #   experiments/perf/run_h200.sh m8b OUT      # bench_matrix: Qwen3-8B shape (~360 s)
 #   experiments/perf/run_h200.sh moe OUT      # Qwen3-30B-A3B shape: the HF reference, then bench_moe
 #   experiments/perf/run_h200.sh mla OUT      # Moonlight-16B-A3B (MLA), Kimi-K2 slice, latent kernel
+#   experiments/perf/run_h200.sh moe_pairs OUT  # MoE layers at decode rows: pair kernels vs sorted
 #
 # bench_matrix compiles each batch's programs 8 at a time (configs/bench_matrix.py
 # compile_threads); bench_step compiles serially. experiments/perf/compile_offline.py checks compile
@@ -40,6 +41,12 @@ case $what in
     timeout 100 python3 -m experiments.perf.ref_hf_moe --json_out="$out/ref_moe.jsonl" \
       >"$out/ref_moe.log" 2>&1
     timeout 420 $py -m experiments.perf.bench_moe --json_out="$out/moe.jsonl" >"$out/moe.log" 2>&1
+    ;;
+  moe_pairs)  # ~150 s: the 48 MoE layers of the Qwen3-30B-A3B shape at decode rows (1, 2, 8
+              # tokens), the sorted pairs vs pair by pair (one tile each) at several tiles
+    timeout 330 $py -m experiments.perf.bench_moe --sections=experts --tokens=1,2,8 --repeats=5 \
+      --impls=pallas,pairs:16x64x128,pairs:16x32x128,pairs:16x128x64,pairs:16x64x256,pairs:16x32x256 \
+      --json_out="$out/moe_pairs.jsonl" >"$out/moe_pairs.log" 2>&1
     ;;
   mla)  # DeepSeek-V3 architecture, ~560 s: the Moonlight-16B-A3B shape (XLA's latent attention),
         # the Kimi-K2 slice (its first 4 layers and first 2: the per-layer cost by difference;
