@@ -146,8 +146,12 @@ def precompile(target: Target, *, batch: int, prompt_len: int, max_new_tokens: i
 
 def enable_compilation_cache(path: str, min_compile_seconds: float = 0.0) -> None:
   """JAX's persistent compilation cache: compiled programs are stored under `path` and reused
-  by later processes with the same shapes, budgets and versions."""
+  by later processes with the same shapes, budgets and versions. A process whose cache was
+  already opened elsewhere moves to `path` (JAX opens it once, at the first compile)."""
+  from jax.experimental.compilation_cache import compilation_cache  # pylint: disable=import-outside-toplevel
   os.makedirs(path, exist_ok=True)
+  if jax.config.jax_compilation_cache_dir != path:
+    compilation_cache.reset_cache()
   jax.config.update("jax_compilation_cache_dir", path)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_seconds)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)

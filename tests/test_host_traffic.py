@@ -36,6 +36,8 @@ def test_precompile_and_persistent_cache(tmp_path):
   target = dj.load_target(os.path.join(FIXTURES, "qwen3_gqa"), dtype="float32")
   d = dj.load_drafter(write_drafter(str(tmp_path / "d"), target.config), target)
   cache_dir = str(tmp_path / "xla_cache")
+  before = (jax.config.jax_compilation_cache_dir,
+            jax.config.jax_persistent_cache_min_compile_time_secs)
   engine.enable_compilation_cache(cache_dir)
   try:
     secs = engine.precompile(target, batch=2, prompt_len=5, max_new_tokens=9, drafter=d,
@@ -45,8 +47,29 @@ def test_precompile_and_persistent_cache(tmp_path):
                       max_new_tokens=9, stop_token_ids=())
     assert res.stats["compile_seconds"] < 0.05
     assert os.listdir(cache_dir)
+  finally:  # back to the suite's cache (conftest.py), or none
+    if before[0]:
+      engine.enable_compilation_cache(*before)
+    else:
+      jax.config.update("jax_compilation_cache_dir", None)
+
+
+def test_the_compilation_cache_moves_to_a_new_directory(tmp_path):
+  """enable_compilation_cache after the cache was opened elsewhere writes to the new place (JAX
+  opens its cache once; the engine resets it)."""
+  from ddtree_jax import engine
+  before = (jax.config.jax_compilation_cache_dir,
+            jax.config.jax_persistent_cache_min_compile_time_secs)
+  try:
+    for name, n in (("a", 3), ("b", 5)):
+      engine.enable_compilation_cache(str(tmp_path / name))
+      jax.jit(lambda x: x * n + 1)(jnp.arange(n, dtype=jnp.float32)).block_until_ready()
+      assert os.listdir(tmp_path / name), name
   finally:
-    jax.config.update("jax_compilation_cache_dir", None)
+    if before[0]:
+      engine.enable_compilation_cache(*before)
+    else:
+      jax.config.update("jax_compilation_cache_dir", None)
 
 
 def test_compile_many_in_threads_then_generate_reuses(tmp_path):

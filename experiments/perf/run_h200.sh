@@ -56,7 +56,7 @@ case $what in
     timeout 210 $m --sections=verify,loop --verify_tokens=1,9,17,33 \
       --loop_runs="1:ar,8,16,32,64" --json_out="$out/mla_xla.jsonl" >"$out/mla_xla.log" 2>&1
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout 170 $py -m experiments.perf.bench_moe \
-      --shape=kimi-k2-slice --sections=experts,verify --impls=pallas --tokens=1,9,17,33,65 \
+      --shape=kimi-k2-slice --sections=experts,verify --impls=pallas,pairs --tokens=1,9,17,33,65 \
       --verify_layers=4,2 --verify_tokens=1,9,17,33,65 --repeats=3 \
       --json_out="$out/kimi.jsonl" >"$out/kimi.log" 2>&1
     timeout 80 $py -m experiments.perf.bench_latent --heads=16,64 --json_out="$out/latent.jsonl" \
