@@ -1,5 +1,6 @@
 """The decode loop is one XLA program: no host transfers or callbacks per step."""
 
+import contextlib
 import os
 
 import jax
@@ -12,6 +13,21 @@ from conftest import FIXTURES
 from helpers import write_drafter
 
 HOST_OPS = ("infeed", "outfeed", "send(", "recv(", "callback", "host_compute")
+
+
+@contextlib.contextmanager
+def restored_compilation_cache():
+  """Puts the process's persistent-cache settings back afterwards (the cache off if it was)."""
+  from ddtree_jax import engine  # pylint: disable=import-outside-toplevel
+  before = (jax.config.jax_compilation_cache_dir,
+            jax.config.jax_persistent_cache_min_compile_time_secs)
+  try:
+    yield
+  finally:
+    if before[0]:
+      engine.enable_compilation_cache(*before)
+    else:
+      jax.config.update("jax_compilation_cache_dir", None)
 
 
 @pytest.mark.parametrize("method,budget", [("ar", 0), ("chain", 0), ("ddtree", 16)])
@@ -36,10 +52,8 @@ def test_precompile_and_persistent_cache(tmp_path):
   target = dj.load_target(os.path.join(FIXTURES, "qwen3_gqa"), dtype="float32")
   d = dj.load_drafter(write_drafter(str(tmp_path / "d"), target.config), target)
   cache_dir = str(tmp_path / "xla_cache")
-  before = (jax.config.jax_compilation_cache_dir,
-            jax.config.jax_persistent_cache_min_compile_time_secs)
-  engine.enable_compilation_cache(cache_dir)
-  try:
+  with restored_compilation_cache():
+    engine.enable_compilation_cache(cache_dir)
     secs = engine.precompile(target, batch=2, prompt_len=5, max_new_tokens=9, drafter=d,
                              methods=("chain", "ddtree"), budgets=(3, 9), stop_token_ids=())
     assert set(secs) == {"chain", "ddtree/3", "ddtree/9"}
@@ -47,29 +61,17 @@ def test_precompile_and_persistent_cache(tmp_path):
                       max_new_tokens=9, stop_token_ids=())
     assert res.stats["compile_seconds"] < 0.05
     assert os.listdir(cache_dir)
-  finally:  # back to the suite's cache (conftest.py), or none
-    if before[0]:
-      engine.enable_compilation_cache(*before)
-    else:
-      jax.config.update("jax_compilation_cache_dir", None)
 
 
 def test_the_compilation_cache_moves_to_a_new_directory(tmp_path):
   """enable_compilation_cache after the cache was opened elsewhere writes to the new place (JAX
   opens its cache once; the engine resets it)."""
   from ddtree_jax import engine
-  before = (jax.config.jax_compilation_cache_dir,
-            jax.config.jax_persistent_cache_min_compile_time_secs)
-  try:
+  with restored_compilation_cache():
     for name, n in (("a", 3), ("b", 5)):
       engine.enable_compilation_cache(str(tmp_path / name))
       jax.jit(lambda x: x * n + 1)(jnp.arange(n, dtype=jnp.float32)).block_until_ready()
       assert os.listdir(tmp_path / name), name
-  finally:
-    if before[0]:
-      engine.enable_compilation_cache(*before)
-    else:
-      jax.config.update("jax_compilation_cache_dir", None)
 
 
 def test_compile_many_in_threads_then_generate_reuses(tmp_path):
