@@ -17,7 +17,7 @@ import numpy as np
 from ddtree_jax import kernels as kernels_lib
 from ddtree_jax import mla as mla_lib
 from ddtree_jax import moe as moe_lib
-from ddtree_jax.attention import einsum_f32, random_weight
+from ddtree_jax.attention import einsum_f32, einsum_weight, random_weight
 from ddtree_jax.config import ModelConfig
 
 Array = jax.Array
@@ -58,7 +58,9 @@ def dense(spec, x, w, out_dtype=None):
   (int8 weights with bf16 activations were no faster: WORKSPACE.md, Findings: GEMMs and the
   int8 drafter)."""
   if not isinstance(w, Int8Weight):
-    return jnp.einsum(spec, x, w) if out_dtype is None else einsum_f32(spec, x, w).astype(out_dtype)
+    if out_dtype is None:
+      return einsum_weight(spec, x, w)
+    return einsum_weight(spec, x, w, f32=True).astype(out_dtype)
   (xs, ws), out = spec.split("->")[0].split(","), spec.split("->")[1]
   kept = "".join(c for c in xs if c in out)
   if out != kept + "".join(c for c in ws if c in out):
@@ -277,9 +279,8 @@ def attention_block(layer, cfg, x, h, cos, sin, k_cache, v_cache, prefix_len, ne
 
 def merge_heads(o, wo):
   """The o projection's (spec, a, w) for residual_norm: o [B, T, N, D] and wo [N, D, H] as one
-  contracted dim [B, T, N*D] x [N*D, H] (with two, XLA's GPU emitter ran a one-row projection
-  as a multiply writing [N, D, H] and a reduce: 11 + 17 us per layer at N 32, D 128, H 2048 on
-  an H200); an Int8Weight keeps its layout."""
+  contracted dim [B, T, N*D] x [N*D, H], a plain GEMM (at one row `dense` keeps it one:
+  `attention.einsum_weight`); an Int8Weight keeps its layout."""
   if isinstance(wo, Int8Weight):
     return "btnd,ndh->bth", o, wo
   return "btc,ch->bth", o.reshape(*o.shape[:2], -1), wo.reshape(-1, wo.shape[-1])

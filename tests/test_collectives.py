@@ -40,15 +40,17 @@ def _breakdown(tp, method, layout):
 def test_split_layout_collectives(tp, method):
   """Megatron's split: per layer the o and down projections' bf16 all-reduces of the [B, T, H]
   residual, nothing else; outside the layers the embedding lookup's psum and the argmax's two
-  small gathers of (value, index) per shard. T = 1 (AR) or BUDGET + 1 (the tree)."""
+  small gathers of (value, index) per shard. T = 1 (AR) or BUDGET + 1 (the tree). A one-row
+  step's projections run on the row given twice (`attention.einsum_weight`), so its layers'
+  all-reduces carry [2, 1, H]."""
   t = 1 if method == "ar" else BUDGET + 1
   b = _breakdown(tp, method, "split")
-  rows = f"bf16[1,{t},{H}]"
-  assert _table(b["layer"]) == {("all-reduce", rows, tp): 2}
+  rows, layer_rows = f"bf16[1,{t},{H}]", f"bf16[{2 if t == 1 else 1},{t},{H}]"
+  assert _table(b["layer"]) == {("all-reduce", layer_rows, tp): 2}
   assert _table(b["rest"]) == {("all-reduce", rows, tp): 1,
                                ("all-gather", f"f32[1,{t},{tp}]", tp): 1,
                                ("all-gather", f"s32[1,{t},{tp}]", tp): 1}
-  assert collectives.nbytes(b["layer"]) == 2 * t * H * 2
+  assert collectives.nbytes(b["layer"]) == 2 * (2 if t == 1 else t) * H * 2
   assert {c.stage for c in b["layer"]} == {"verify" if method == "ar" else "forward"}
 
 
@@ -56,7 +58,7 @@ def test_split_layout_collectives(tp, method):
 def test_replicated_attention_layout_has_one_all_reduce_per_layer(method):
   t = 1 if method == "ar" else BUDGET + 1
   b = _breakdown(8, method, "replicated_attention")
-  assert _table(b["layer"]) == {("all-reduce", f"bf16[1,{t},{H}]", 8): 1}
+  assert _table(b["layer"]) == {("all-reduce", f"bf16[{2 if t == 1 else 1},{t},{H}]", 8): 1}
   assert sum(b["rest"].values()) == 3
 
 

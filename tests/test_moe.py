@@ -91,16 +91,20 @@ def test_elsewhere_pairs_add_nothing():
 
 
 def test_pair_matmul_rows_and_elsewhere_pairs():
-  """Row p = lhs[lhs_rows[p]] @ rhs[groups[p]] (repeated rows and groups, in any order); a
-  pair of group E is skipped (its row stays unwritten)."""
+  """Row p = lhs[p // rows_per_lhs] @ rhs[groups[p]] (repeated groups, in any order); a pair of
+  group E is skipped (its row stays unwritten); rows_per_lhs that lhs cannot feed is refused."""
   rng = np.random.default_rng(3)
-  lhs = jnp.asarray(rng.normal(size=(3, 40)), jnp.float32)
+  lhs = jnp.asarray(rng.normal(size=(6, 40)), jnp.float32)
   rhs = jnp.asarray(rng.normal(size=(5, 40, 24)), jnp.float32)
-  groups, rows = jnp.asarray([4, 0, 4, 5, 2]), jnp.asarray([0, 0, 2, 1, 1])
-  got = np.asarray(pair_matmul(lhs, rhs, groups, rows, block_n=16, block_k=16))
-  for p in (0, 1, 2, 4):
-    np.testing.assert_allclose(got[p], np.asarray(lhs[rows[p]] @ rhs[groups[p]]), rtol=1e-5,
-                               atol=1e-5)
+  groups = jnp.asarray([4, 0, 4, 5, 2, 0])
+  for per in (1, 2):
+    got = np.asarray(pair_matmul(lhs[:6 // per], rhs, groups, rows_per_lhs=per, block_n=16,
+                                 block_k=16))
+    for p in (0, 1, 2, 4, 5):
+      np.testing.assert_allclose(got[p], np.asarray(lhs[p // per] @ rhs[groups[p]]), rtol=1e-5,
+                                 atol=1e-5)
+  with pytest.raises(ValueError, match="rows_per_lhs"):
+    pair_matmul(lhs[:2], rhs, groups, rows_per_lhs=2)
 
 
 def test_pallas_moe_layer_runs_few_pairs_pair_by_pair():

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax import model
-from experiments.perf import skinny_gemm
+from experiments.perf import kimi_paper, skinny_gemm
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -68,6 +68,21 @@ def test_bench_moe_small_rows_and_plot(tmp_path):
   png = tmp_path / "moe.png"
   run_script("plot_moe", f"--rows={out}", f"--out={png}")
   assert png.stat().st_size > 1000
+
+
+def test_kimi_paper_extrapolates_the_slice_rows():
+  """The Kimi-K2 slice's 4- and 2-layer forwards give one row per T, AR first (x AR 1); the
+  busiest device's share of d random experts is d when one device holds all, the whole layer's
+  48 when all 384 are touched, at least d / 8 otherwise."""
+  rows = os.path.join(REPO, "experiments/results/mla-2026-12-02/kimi.jsonl")
+  _, text = run_script("kimi_paper", f"--rows={rows}")
+  lines = [l.split() for l in text.splitlines() if l.strip() and l.split()[0].isdigit()]
+  assert [int(l[0]) for l in lines] == [1, 9, 17, 33, 65]
+  assert lines[0][5] == "1.00" and lines[0][8] == "1.00"
+  assert all(float(l[7]) < float(l[4]) for l in lines)  # 8 GPUs beat one at every T
+  assert kimi_paper.busiest_share(5, 384, 1, draws=10) == 5
+  assert kimi_paper.busiest_share(384, 384, 8, draws=10) == 48
+  assert 40 / 8 <= kimi_paper.busiest_share(40, 384, 8, draws=200) < 40
 
 
 def test_profile_step_small_and_its_overrides():

@@ -49,14 +49,21 @@ def tiles(group_sizes, m: int, block_m: int):
   return group, jnp.where(rows > 0, row0, 0), rows
 
 
-def _kernel(group_ref, row0_ref, rows_ref, out0_ref, x_ref, w_ref, o_ref, *, block_m, block_n,
-            block_k, k_dim, n_dim, swiglu):
-  """One tile: rows [r0, r0 + rows) of x times group g's weights, written from row out0."""
-  rows, n0 = rows_ref[()], pl.program_id(1) * block_n  # (program_id outside the when: interpret)
+def _kernel(*refs, block_m, block_n, block_k, k_dim, n_dim, swiglu, pair_div):
+  """One tile: rows [r0, r0 + rows) of x times group g's weights, written from row out0. With
+  pair_div the tile is pair t (its program id): x's row t // pair_div, output row t (no row
+  arrays to load; XLA would launch a kernel per step to write them)."""
+  if pair_div:
+    group_ref, rows_ref, x_ref, w_ref, o_ref = refs
+  else:
+    group_ref, row0_ref, rows_ref, out0_ref, x_ref, w_ref, o_ref = refs
+  t = pl.program_id(0)  # (program ids outside the `when`: interpret mode)
+  rows, n0 = rows_ref[()], pl.program_id(1) * block_n
 
   @pl.when(rows > 0)
   def _():
-    g, r0, o0 = group_ref[()], row0_ref[()], out0_ref[()]
+    g = group_ref[()]
+    r0, o0 = (t // pair_div, t) if pair_div else (row0_ref[()], out0_ref[()])
     row_ok = jnp.arange(block_m) < rows
     col_ok = (n0 + jnp.arange(block_n)) < n_dim
     dot = lambda a, b: lax.dot_general(a, b, (((1,), (0,)), ((), ())),
@@ -79,9 +86,10 @@ def _kernel(group_ref, row0_ref, rows_ref, out0_ref, x_ref, w_ref, o_ref, *, blo
                 mask=row_ok[:, None] & col_ok[None, :])
 
 
-def _launch(group, row0, rows, out0, lhs, rhs, m_out, *, block_m, block_n, block_k, num_warps,
-            num_stages, swiglu, interpret):
-  """The tiles' pallas_call: lhs [M, K], rhs [E, K, N] (swiglu: [E, K, 2, N]) -> [m_out, N]."""
+def _launch(group, rows, lhs, rhs, m_out, *, row0=None, out0=None, pair_div=0, block_m,
+            block_n, block_k, num_warps, num_stages, swiglu, interpret):
+  """The tiles' pallas_call: lhs [M, K], rhs [E, K, N] (swiglu: [E, K, 2, N]) -> [m_out, N];
+  per tile its group and rows, and its first row and output row (row0, out0) or pair_div."""
   if swiglu:
     if rhs.ndim != 4 or rhs.shape[2] != 2:
       raise ValueError(f"grouped_matmul(swiglu=True): rhs must be [E, K, 2, N], got {rhs.shape}")
@@ -95,19 +103,20 @@ def _launch(group, row0, rows, out0, lhs, rhs, m_out, *, block_m, block_n, block
     raise ValueError(f"grouped_matmul: lhs is {lhs.dtype}, rhs {rhs.dtype}")
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
+  per_tile = (group, rows) if pair_div else (group, row0, rows, out0)
   scalar = pl.BlockSpec((None,), lambda t, n: (t,))
   whole = lambda shape: pl.BlockSpec(shape, lambda t, n: (0,) * len(shape))
   return pl.pallas_call(
       functools.partial(_kernel, block_m=block_m, block_n=block_n, block_k=block_k,
-                        k_dim=k_dim, n_dim=n_dim, swiglu=swiglu),
+                        k_dim=k_dim, n_dim=n_dim, swiglu=swiglu, pair_div=pair_div),
       grid=(group.shape[0], pl.cdiv(n_dim, block_n)),
-      in_specs=[scalar] * 4 + [whole((m, k_dim)), whole(rhs.shape)],
+      in_specs=[scalar] * len(per_tile) + [whole((m, k_dim)), whole(rhs.shape)],
       out_specs=whole((m_out, n_dim)),
       out_shape=jax.ShapeDtypeStruct((m_out, n_dim), lhs.dtype),
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
       name="grouped_matmul",
-  )(group, row0, rows, out0, lhs, rhs)
+  )(*per_tile, lhs, rhs)
 
 
 _STATIC = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "swiglu", "interpret")
@@ -125,27 +134,28 @@ def grouped_matmul(lhs, rhs, group_sizes, *, block_m: int = 16, block_n: int = 1
     raise ValueError(f"grouped_matmul: lhs {lhs.shape}, rhs {rhs.shape}, group_sizes "
                      f"{group_sizes.shape} do not match")
   group, row0, rows = tiles(group_sizes, lhs.shape[0], block_m)
-  return _launch(group, row0, rows, row0, lhs, rhs, lhs.shape[0], block_m=block_m,
+  return _launch(group, rows, lhs, rhs, lhs.shape[0], row0=row0, out0=row0, block_m=block_m,
                  block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
                  swiglu=swiglu, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
-def pair_matmul(lhs, rhs, groups, lhs_rows, *, block_m: int = 16, block_n: int = 64,
-                block_k: int = 128, num_warps: int = 4, num_stages: int = 2,
+@functools.partial(jax.jit, static_argnames=_STATIC + ("rows_per_lhs",))
+def pair_matmul(lhs, rhs, groups, *, rows_per_lhs: int = 1, block_m: int = 16,
+                block_n: int = 64, block_k: int = 128, num_warps: int = 4, num_stages: int = 2,
                 swiglu: bool = False, interpret=None):
-  """One tile per pair, no sort: lhs [M, K], rhs [E, K, N], groups [P] and lhs_rows [P] int ->
-  [P, N], row p = lhs[lhs_rows[p]] @ rhs[groups[p]] (swiglu as grouped_matmul); a pair whose
-  group is E (held elsewhere) is not computed and its row is undefined. For steps of few pairs
-  (a decode step), where every tile of grouped_matmul holds one row anyway."""
-  if groups.shape != lhs_rows.shape or groups.ndim != 1:
-    raise ValueError(f"pair_matmul: groups {groups.shape} and lhs_rows {lhs_rows.shape} differ")
-  p = groups.shape[0]
+  """One tile per pair, no sort: lhs [M, K], rhs [E, K, N], groups [P] int -> [P, N], row p =
+  lhs[p // rows_per_lhs] @ rhs[groups[p]] (swiglu as grouped_matmul); a pair whose group is E
+  (held elsewhere) is not computed and its row is undefined. For steps of few pairs (a decode
+  step), where every tile of grouped_matmul holds one row anyway."""
+  need = -(-groups.shape[0] // max(rows_per_lhs, 1))  # lhs rows the pairs read
+  if groups.ndim != 1 or rows_per_lhs < 1 or need > lhs.shape[0]:
+    raise ValueError(f"pair_matmul: groups {groups.shape} with rows_per_lhs={rows_per_lhs} do "
+                     f"not fit lhs {lhs.shape}")
   here = (groups < rhs.shape[0]).astype(jnp.int32)
-  return _launch(jnp.minimum(groups, rhs.shape[0] - 1).astype(jnp.int32),
-                 lhs_rows.astype(jnp.int32), here, jnp.arange(p, dtype=jnp.int32), lhs, rhs, p,
-                 block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps,
-                 num_stages=num_stages, swiglu=swiglu, interpret=interpret)
+  return _launch(jnp.minimum(groups, rhs.shape[0] - 1).astype(jnp.int32), here, lhs, rhs,
+                 groups.shape[0], pair_div=rows_per_lhs, block_m=block_m, block_n=block_n,
+                 block_k=block_k, num_warps=num_warps, num_stages=num_stages, swiglu=swiglu,
+                 interpret=interpret)
 
 
 def _combine_kernel(*refs, k, block_h, h_dim):
@@ -219,11 +229,10 @@ def pair_ops(tuning, blocks: tuple[int, int, int] | None = None):
   kw = dict(block_m=b[0], block_n=b[1], block_k=b[2], interpret=tuning.interpret)
 
   def gate_up(x, w, experts):
-    k = experts.shape[1]
-    rows = jnp.arange(experts.size, dtype=jnp.int32) // k
-    return pair_matmul(x, w, experts.reshape(-1), rows, swiglu=True, **kw)
+    return pair_matmul(x, w, experts.reshape(-1), rows_per_lhs=experts.shape[1], swiglu=True,
+                       **kw)
 
   def down(a, w, experts):
-    return pair_matmul(a, w, experts.reshape(-1), jnp.arange(a.shape[0], dtype=jnp.int32), **kw)
+    return pair_matmul(a, w, experts.reshape(-1), **kw)
 
   return moe.PairOps(gate_up=gate_up, down=down)

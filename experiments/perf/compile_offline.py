@@ -1,4 +1,4 @@
-"""Compile the Qwen3-8B-shaped decode loops for an H200 on a machine without a GPU.
+"""Compile the decode loops (Qwen3-8B shape, or --shape) for an H200 on a machine without a GPU.
 
 XLA's GPU compiler runs on the host; JAX compiles for a described device (no autotuning, so real
 compiles take longer, but a compile that blows up shows up here too: this is how the DDTree
@@ -36,6 +36,7 @@ from ddtree_jax.kernels import Kernels, KernelTuning
 from experiments.perf import harness
 
 flags.DEFINE_bool("small", False, "tiny shapes")
+flags.DEFINE_string("shape", "qwen3-8b", "target shape (harness.SHAPES)")
 flags.DEFINE_string("attention", "xla", "xla or pallas")
 flags.DEFINE_bool("fuse_qkv", True, "at tp=1, fuse the target's q and k/v weights into one "
                   "(model.fuse_qkv), as checkpoint.load_target does")
@@ -89,7 +90,7 @@ def main(_):
     on_gpu = jax.sharding.SingleDeviceSharding(topo.devices[0])
     put = lambda t: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_gpu),
                                  t)
-  tcfg = harness.target_config(FLAGS.small)
+  tcfg = harness.target_config(FLAGS.small, FLAGS.shape)
   tparams = jax.eval_shape(lambda: model.init_params(tcfg, jax.random.key(0)))
   if FLAGS.tp == 1 and FLAGS.fuse_qkv:
     tparams = jax.eval_shape(model.fuse_qkv, tparams)

@@ -19,7 +19,8 @@
 #   experiments/perf/run_h200.sh temperature OUT        # bundled pair, T=0 vs T=1, DDTree B=32
 #   experiments/perf/run_h200.sh m8b OUT      # bench_matrix: Qwen3-8B shape (~360 s)
 #   experiments/perf/run_h200.sh moe OUT      # Qwen3-30B-A3B shape: the HF reference, then bench_moe
-#   experiments/perf/run_h200.sh mla OUT      # Moonlight-16B-A3B (MLA), Kimi-K2 slice, latent kernel
+#   experiments/perf/run_h200.sh mla OUT      # Moonlight-16B-A3B (MLA) and the latent kernel
+#   experiments/perf/run_h200.sh kimi OUT     # the Kimi-K2 slice's forwards at 4 and 2 layers
 #   experiments/perf/run_h200.sh moe_pairs OUT  # MoE layers at decode rows: pair kernels vs sorted
 #
 # bench_matrix compiles each batch's programs 8 at a time (configs/bench_matrix.py
@@ -48,21 +49,22 @@ case $what in
       --impls=pallas,pairs:16x64x128,pairs:16x32x128,pairs:16x128x64,pairs:16x64x256,pairs:16x32x256 \
       --json_out="$out/moe_pairs.jsonl" >"$out/moe_pairs.log" 2>&1
     ;;
-  mla)  # DeepSeek-V3 architecture, ~560 s: the Moonlight-16B-A3B shape (XLA's latent attention),
-        # the Kimi-K2 slice (its first 4 layers and first 2: the per-layer cost by difference;
-        # 107 GB, so JAX may take 95 % of the GPU), the latent kernel vs XLA at long prefixes,
-        # then Moonlight on the Pallas latent kernel
-    m="$py -m experiments.perf.bench_moe --shape=moonlight-16b-a3b --compile_threads=8"
-    timeout 210 $m --sections=verify,loop --verify_tokens=1,9,17,33 \
-      --loop_runs="1:ar,8,16,32,64" --json_out="$out/mla_xla.jsonl" >"$out/mla_xla.log" 2>&1
-    XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout 170 $py -m experiments.perf.bench_moe \
-      --shape=kimi-k2-slice --sections=experts,verify --impls=pallas,pairs --tokens=1,9,17,33,65 \
-      --verify_layers=4,2 --verify_tokens=1,9,17,33,65 --repeats=3 \
-      --json_out="$out/kimi.jsonl" >"$out/kimi.log" 2>&1
-    timeout 80 $py -m experiments.perf.bench_latent --heads=16,64 --json_out="$out/latent.jsonl" \
-      >"$out/latent.log" 2>&1
-    timeout 100 $m --latent_pallas --sections=verify,loop --verify_tokens=1,17 \
-      --loop_runs="1:ar,16" --json_out="$out/mla_pallas.jsonl" >"$out/mla_pallas.log" 2>&1
+  mla)  # DeepSeek-V3 architecture, ~420 s: the Moonlight-16B-A3B shape (XLA's latent attention):
+        # forwards and the decode loop (batch 1 and 8), its AR and B=16 kernels, then the latent
+        # kernel vs XLA's form at 4K-32K prefixes and 16 / 64 / 128 heads
+    timeout 250 $py -m experiments.perf.bench_moe --shape=moonlight-16b-a3b --compile_threads=8 \
+      --sections=verify,loop --verify_tokens=1,17 --loop_runs="1:ar,8,16,32,64;8:ar,16" \
+      --steps=8 --repeats=3 --json_out="$out/mla_xla.jsonl" >"$out/mla_xla.log" 2>&1
+    timeout 80 $py -m experiments.perf.profile_step --shape=moonlight-16b-a3b --runs=ar,16 \
+      --attention=pallas --steps=16 --top=45 >"$out/mla_profile.log" 2>&1
+    timeout 80 $py -m experiments.perf.bench_latent --heads=16,64,128 --prefixes=4096,32768 \
+      --tokens=1,17 --json_out="$out/latent.jsonl" >"$out/latent.log" 2>&1
+    ;;
+  kimi)  # ~250 s: the Kimi-K2 slice (its first 4 layers, 107 GB, so JAX may take 95 % of the
+         # GPU) cut to 4 and 2 layers: forwards of T tokens, the per-layer cost by difference
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout 280 $py -m experiments.perf.bench_moe \
+      --shape=kimi-k2-slice --sections=verify --verify_layers=4,2 --verify_tokens=1,9,17,33,65 \
+      --repeats=3 --json_out="$out/kimi.jsonl" >"$out/kimi.log" 2>&1
     ;;
   compile)
     timeout 560 $step --sections=compile --attention=pallas --batches=1 --spec_prefixes=1024 \
@@ -171,7 +173,7 @@ case $what in
       --config.out_dir="$out/m8b" >"$out/m8b.log" 2>&1
     tar -C "$out" -czf "$out/m8b.tgz" m8b 2>/dev/null && rm -r "$out/m8b"
     ;;
-  *) echo "usage: $0 compile|step|step8|spec|quick|goals|results|int8|profile|profile_tp|kernel|sweep|gemm|tp|matrix|temperature|m8b OUT" >&2
+  *) echo "usage: $0 compile|step|step8|spec|quick|goals|results|int8|profile|profile_tp|kernel|sweep|gemm|tp|matrix|temperature|m8b|moe|moe_pairs|mla|kimi OUT" >&2
      exit 2 ;;
 esac
 ls -la "$out"
