@@ -3,6 +3,9 @@ default, DDTree at one budget chosen at start, greedy or sampled per request.
 
   python -m experiments.serve --config=configs/serve.py --config.target=/models/Qwen3-8B \
       --config.drafter=/models/Qwen3-8B-DFlash --config.dtype=bfloat16 --config.serve.budget=32
+  python -m experiments.serve --config=configs/serve.py --config.random_target=True \
+      --config.random_drafter=True --config.drafter= --config.dtype=bfloat16 \
+      --config.serve.tokenizer=ddtree_jax/default_model/target   # random Qwen3-8B shape
 """
 
 import importlib.util
@@ -21,13 +24,23 @@ def get_config():
   s = c.serve = ml_collections.ConfigDict()
   s.host = "127.0.0.1"
   s.port = 8000
-  s.model_name = ""                 # "" = the target directory's name
+  s.model_name = ""                 # "" = the target directory's name (random-qwen3 for a
+                                    # random target)
+  s.tokenizer = ""                  # a directory with tokenizer.json: encodes prompts, decodes
+                                    # ids ("" = the target's; a random target has none, e.g.
+                                    # ddtree_jax/default_model/target; unknown ids decode to "")
   s.method = "ddtree" if c.drafter else "ar"  # ar | chain | ddtree
   s.budget = 16                     # DDTree nodes per verify, fixed at start
   s.slots = 8                       # decode slots (the batch of every decode step)
   s.capacity = 512                  # cache rows per slot: prompt + generated tokens
   s.chunk_steps = 8                 # decode steps per chunk between two admissions
-  s.prompt_buckets = "64,256"       # prompts are padded to the first bucket that fits
+  s.max_chunk_steps = 32            # ... while requests come one at a time
+  s.pipeline = True                 # ... and dispatch the next chunk before streaming the last
+  s.refill_wait = 0.1               # after a chunk that ended requests, wait up to this fraction
+                                    # of its time for new ones while slots are free
+  s.prompt_buckets = "16,64,256"    # prompts are padded to the first bucket that fits (the
+                                    # bundled pair's prefill on 2 CPU cores: 16 tokens 2.9 ms,
+                                    # 64 tokens 7.7 ms)
   s.max_queue = 256                 # waiting requests; more are answered 429
   s.sampling = True                 # per-request temperature / top_p / top_k / seed; False: a
                                     # greedy-only program (temperature > 0 is a 400)

@@ -109,7 +109,7 @@ def make_app(engine: slots_lib.SlotEngine, tokenizer, model_name: str,
              chat_template: str = DEFAULT_CHAT_TEMPLATE,
              special_tokens: dict[str, str] | None = None) -> fastapi.FastAPI:
   """The FastAPI app serving `engine` as model `model_name`; tokenizer: a `tokenizers`
-  Tokenizer (None: token-id prompts only)."""
+  Tokenizer (None: token-id prompts only, empty texts; `usage` counts the tokens either way)."""
   app = fastapi.FastAPI(title="ddtree-jax")
   metrics = _Metrics(engine)
   env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
@@ -126,8 +126,10 @@ def make_app(engine: slots_lib.SlotEngine, tokenizer, model_name: str,
       raise BadRequest("prompt", "this model has no tokenizer: send token ids")
     return tokenizer.encode(text).ids
 
-  def decode(ids: list[int]) -> str:
-    return "" if tokenizer is None else tokenizer.decode(ids)
+  known = 0 if tokenizer is None else tokenizer.get_vocab_size(with_added_tokens=True)
+
+  def decode(ids: list[int]) -> str:  # ids the tokenizer does not know (a random target's) add ""
+    return tokenizer.decode([i for i in ids if i < known]) if known else ""
 
   async def parse(request: fastapi.Request) -> dict[str, Any]:
     try:

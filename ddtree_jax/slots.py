@@ -2,23 +2,30 @@
 (its prompt padded to a length bucket) -> insert it into a free slot -> generate up to K steps for
 all slots on device -> stream each slot's new tokens -> evict finished slots -> admit the next.
 
-Every shape is static per (method, budget, slots, capacity, K): one prefill program per bucket,
-one insert, one chunk of K steps. A free slot is a finished ("done") row, which the step skips.
-Each request's settings are rows of arrays (`Settings`: max_tokens, temperature, top_k, top_p,
-stop ids), so one compiled program serves every mix of requests. A request samples with its own
-PRNG key (from its seed), split once per step of its own, and each row reads its own cache rows
-(the experts route per row): its tokens depend on its prompt, settings and seed only, never on
-its slot or on the requests beside it. Temperature-0 rows take the argmax: the greedy outputs.
-The chunk marks a slot done at its max_tokens or at one of its first `max_stop_ids` stop ids
-and ends early once every slot is done; the host cuts each request at all its stop ids and its
-max_tokens (tokens a slot computes past its end are dropped).
+The device programs are in `slot_programs.py`: one prefill per bucket, one insert, one chunk,
+whatever the request mix. A free slot is a finished ("done") row, which the step skips. Each
+request's settings are rows of arrays (`Settings`: max_tokens, temperature, top_k, top_p, stop
+ids). A request samples with its own PRNG key (from its seed), split once per step of its own,
+and each row reads its own cache rows (the experts route per row): its tokens depend on its
+prompt, settings and seed only, never on its slot, the chunk lengths or the requests beside it.
+Temperature-0 rows take the argmax: the greedy outputs. The chunk marks a slot done at its
+max_tokens or one of its first `max_stop_ids` stop ids; the host cuts each request at all its stop
+ids and its max_tokens (tokens a slot computes past its end are dropped).
+
+Chunk length by load: while requests come one at a time (`_alone`), a chunk runs up to
+`max_chunk_steps` steps (it ends when the request does) and the next one is dispatched before
+the host reads the last one's tokens (`pipeline`), so the device decodes while the host streams;
+any other mix runs chunks of `chunk_steps`, each read before the next admission, as a longer or
+pipelined chunk would keep finished slots idle while waiting requests wait longer; after a chunk
+that ended requests, while slots are free, the engine waits up to `refill_wait` of its time for
+new ones (clients that send the next request on an answer). A chunk's tokens go only to the
+requests that held its slots when it was dispatched and still do.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import secrets
 import threading
 import time
@@ -29,22 +36,28 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax import decode
-from ddtree_jax import kernels as kernels_lib
+from ddtree_jax import slot_programs as programs
 from ddtree_jax.checkpoint import Drafter, Target
-from ddtree_jax.row_sampling import Settings, pick, seed_key_data
+from ddtree_jax.row_sampling import Settings, seed_key_data
 
 
 @dataclasses.dataclass(frozen=True)
 class SlotConfig:
-  """The server's static shapes: method and budget, decode slots, cache rows per slot (prompt +
-  generated tokens), steps per chunk K, prompt length buckets, queue length, attention; sampling
-  (False: a greedy-only program that refuses temperature > 0), the largest top_k, and how many
-  of a request's stop ids the chunk checks on device."""
+  """The server's static shapes and its scheduling: method and budget, decode slots, cache rows
+  per slot (prompt + generated tokens), prompt length buckets, queue length, attention; steps
+  per chunk (up to max_chunk_steps for a request alone, else chunk_steps), pipeline (for a request
+  alone, dispatch the next chunk before reading the last), refill_wait (after a chunk that ended
+  requests, while slots are free and none wait, wait up to this fraction of its time for new
+  ones); sampling (False: a greedy-only program that refuses temperature > 0), the largest top_k,
+  and how many of a request's stop ids the chunk checks on device."""
   method: str = "ddtree"
   budget: int = 16
   slots: int = 8
   capacity: int = 1024
   chunk_steps: int = 8
+  max_chunk_steps: int = 32
+  pipeline: bool = True
+  refill_wait: float = 0.1
   prompt_buckets: tuple[int, ...] = (64, 256, 1024)
   max_queue: int = 256
   attention: str | None = None
@@ -57,9 +70,21 @@ class SlotConfig:
       raise ValueError(f"SlotConfig.method must be one of {decode.METHODS}, got {self.method!r}")
     if self.method == "ddtree" and not 1 <= self.budget <= 1024:
       raise ValueError(f"SlotConfig.budget must be in [1, 1024], got {self.budget}")
-    for name in ("slots", "capacity", "chunk_steps", "max_queue", "max_top_k", "max_stop_ids"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"SlotConfig.{name} must be >= 1, got {getattr(self, name)}")
+    for name in ("slots", "capacity", "chunk_steps", "max_chunk_steps", "max_queue", "max_top_k",
+                 "max_stop_ids"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"SlotConfig.{name} must be an integer >= 1, got {value!r}")
+    if not self.chunk_steps <= self.max_chunk_steps <= self.capacity:
+      raise ValueError(f"SlotConfig.max_chunk_steps must be in [chunk_steps, capacity] = "
+                       f"[{self.chunk_steps}, {self.capacity}], got {self.max_chunk_steps}")
+    if isinstance(self.refill_wait, bool) or not isinstance(self.refill_wait, (int, float)) \
+        or not 0 <= self.refill_wait <= 1:
+      raise ValueError(f"SlotConfig.refill_wait must be a number in [0, 1], got "
+                       f"{self.refill_wait!r}")
+    for name in ("pipeline", "sampling"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"SlotConfig.{name} must be True or False, got {getattr(self, name)!r}")
     if not self.prompt_buckets or sorted(self.prompt_buckets) != list(self.prompt_buckets):
       raise ValueError(f"SlotConfig.prompt_buckets must be increasing, got {self.prompt_buckets}")
     if self.prompt_buckets[-1] >= self.capacity:
@@ -103,82 +128,6 @@ class Request:
     self.cancelled = True
 
 
-@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "lc", "capacity", "sampling",
-                                             "max_top_k"))
-def prefill(tparams, dparams, tokens, lens, seed, settings: Settings, *, tcfg, dcfg, lc,
-            capacity: int, sampling: bool, max_top_k: int):
-  """A request's prompt [1, T] -> its batch-1 DecodeState; the first token is picked with its
-  settings (rows [1]) and the key of `seed` (key data [2] uint32), the state keeps the rest."""
-  first = lambda logits, key: pick(logits[:, None], settings, key[None], sampling,
-                                   max_top_k)[:, 0]
-  return decode.prefill_with(first, tparams, dparams, tokens, lens,
-                             jax.random.wrap_key_data(seed), tcfg=tcfg, dcfg=dcfg, lc=lc,
-                             capacity=capacity)
-
-
-@functools.partial(jax.jit, donate_argnames=("state",))
-def _insert(state: decode.DecodeState, one: decode.DecodeState, slot):
-  """Row 0 of the batch-1 state `one` written into row `slot` of `state` (caches, tokens, key)."""
-  def put(big, small, axis):
-    return jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), slot, axis)
-
-  def cache(big, small):
-    return dataclasses.replace(big, k=put(big.k, small.k, 1), v=put(big.v, small.v, 1),
-                               lens=put(big.lens, small.lens, 0))
-  return dataclasses.replace(
-      state, cache=cache(state.cache, one.cache),
-      draft_cache=None if state.draft_cache is None else cache(state.draft_cache,
-                                                               one.draft_cache),
-      bonus=put(state.bonus, one.bonus, 0), out=put(state.out, one.out, 0),
-      n_out=put(state.n_out, one.n_out, 0), done=put(state.done, one.done, 0),
-      accepted=put(state.accepted, one.accepted, 1), key=state.key.at[slot].set(one.key))
-
-
-@functools.partial(jax.jit, donate_argnames=("state",))
-def _evict(state: decode.DecodeState, slot):
-  return dataclasses.replace(state, done=state.done.at[slot].set(True))
-
-
-def step(tparams, tcfg, dparams, dcfg, lc, state, settings: Settings, sampling: bool = True,
-         max_top_k: int = 64):
-  """`decode.step` with each row's settings and key (state.key [B]); a row is done once it has
-  emitted settings.limit tokens or one of its stop ids."""
-  s = decode.step(tparams, tcfg, dparams, dcfg, lc, state,
-                  pick=lambda logits, keys: pick(logits, settings, keys, sampling, max_top_k))
-  at = state.n_out[:, None] + jnp.arange(lc.num_drafts + 1)  # where this step's tokens went
-  toks = jnp.take_along_axis(s.out, jnp.minimum(at, s.out.shape[1] - 1), axis=1)
-  is_stop = (toks[..., None] == settings.stop[:, None, :]).any(-1) & (at < s.n_out[:, None])
-  return dataclasses.replace(s, done=s.done | is_stop.any(-1) | (s.n_out >= settings.limit))
-
-
-@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "lc", "steps", "sampling",
-                                             "max_top_k"),
-                   donate_argnames=("state",), compiler_options=decode.LOOP_COMPILER_OPTIONS)
-def chunk(tparams, dparams, state, settings: Settings, *, tcfg, dcfg, lc, steps: int,
-          sampling: bool = True, max_top_k: int = 64):
-  """Up to `steps` steps of every slot (finished slots commit nothing), ending early once every
-  slot is done. `accepted` restarts at row 0."""
-  state = dataclasses.replace(state, step=jnp.zeros((), jnp.int32),
-                              accepted=jnp.zeros_like(state.accepted),
-                              done=state.done | (state.n_out >= settings.limit))
-
-  def one(carry):
-    i, s = carry
-    return i + 1, step(tparams, tcfg, dparams, dcfg, lc, s, settings, sampling, max_top_k)
-  return jax.lax.while_loop(lambda c: (c[0] < steps) & ~jnp.all(c[1].done), one,
-                            (jnp.zeros((), jnp.int32), state))[1]
-
-
-def loop_config(config: SlotConfig, dcfg) -> decode.LoopConfig:
-  """The decode program's static settings for `config` (dcfg None for AR)."""
-  attention = config.attention or ("pallas" if jax.default_backend() == "gpu" else "xla")
-  return decode.LoopConfig(
-      method=config.method, max_new_tokens=config.capacity,
-      num_drafts=0 if dcfg is None else dcfg.num_drafts,
-      budget=config.budget if config.method == "ddtree" else 0,
-      kernels=kernels_lib.Kernels(attention))
-
-
 class SlotEngine:
   """Serves generation requests over `config.slots` decode slots in a background thread
   (`start`). `submit` queues a request; its tokens arrive through its `emit` callback."""
@@ -192,7 +141,8 @@ class SlotEngine:
     self.drafter = drafter if config.method != "ar" else None
     self.dcfg = None if self.drafter is None else self.drafter.config
     self.dparams = None if self.drafter is None else self.drafter.params
-    self.lc = loop_config(config, self.dcfg)
+    self.lc = programs.loop_config(config.method, config.budget, config.capacity,
+                                   config.attention, self.dcfg)
     self._static = dict(tcfg=target.config, dcfg=self.dcfg, lc=self.lc,
                         sampling=config.sampling, max_top_k=config.max_top_k)
     self.queue: collections.deque[Request] = collections.deque()
@@ -204,6 +154,9 @@ class SlotEngine:
     self.state = self._empty_state()
     self.settings = Settings.free(config.slots, config.max_stop_ids)  # host copy, per slot
     self._device_settings = None  # its device copy, None once a row changed
+    self._steps = {n: jax.device_put(np.int32(n))  # the chunk's step counts, on device once
+                   for n in (config.chunk_steps, config.max_chunk_steps)}
+    self._company = collections.deque(maxlen=4)  # requests in the engine at the last admissions
 
   # -- device programs ----------------------------------------------------------------------
   def _prefill(self, req: Request):
@@ -212,9 +165,9 @@ class SlotEngine:
     tokens[0, :len(req.prompt)] = req.prompt
     row = Settings.free(1, self.config.max_stop_ids)
     row.set_row(0, req)
-    return prefill(self.target.params, self.dparams, tokens, np.asarray([len(req.prompt)],
-                   np.int32), seed_key_data(req.seed), row, capacity=self.config.capacity,
-                   **self._static)
+    return programs.prefill(self.target.params, self.dparams, tokens,
+                            np.asarray([len(req.prompt)], np.int32), seed_key_data(req.seed),
+                            row, capacity=self.config.capacity, **self._static)
 
   def _empty_state(self):
     """Every slot free: a prefill of one-token prompts, marked done, a key per row."""
@@ -228,21 +181,37 @@ class SlotEngine:
 
   def warm_up(self) -> float:
     """Compiles (or loads from the persistent cache) every program: one prefill per bucket,
-    insert, evict, the chunk. Returns the seconds it took."""
+    insert, the chunk. Returns the seconds it took."""
     t0 = time.perf_counter()
     for bucket in self.config.prompt_buckets:
       one = self._prefill(Request([0] * bucket, 1, frozenset(), lambda *_: None))
-    self.state = _insert(self.state, one, 0)
-    self.state = _evict(self.state, 0)
-    self.state = self._run_chunk()
-    jax.block_until_ready(self.state)
+    self.state = programs.insert(self.state, one, 0)  # (slot 0 stays free: its limit is 0)
+    jax.block_until_ready(self._launch()[0])
+    self.stats.clear()
     return time.perf_counter() - t0
 
-  def _run_chunk(self):
+  def _alone(self) -> bool:
+    """Requests come one at a time: one active, none queued, and each of the last 4 admissions
+    found the engine empty (after a burst, the next lone requests run short chunks a while)."""
+    return len(self.active) <= 1 and not self.queue and max(self._company, default=1) <= 1
+
+  def _launch(self):
+    """Dispatches the next chunk: up to max_chunk_steps for a request alone, else chunk_steps.
+    Returns (its new tokens [slots, ...] on device, {slot: request} as it was dispatched, the
+    time it was dispatched)."""
     if self._device_settings is None:
       self._device_settings = jax.tree.map(jnp.array, self.settings)  # copies
-    return chunk(self.target.params, self.dparams, self.state, self._device_settings,
-                 steps=self.config.chunk_steps, **self._static)
+    cfg, alone = self.config, self._alone()
+    t0 = time.perf_counter()
+    self.state, new = programs.chunk(
+        self.target.params, self.dparams, self.state, self._device_settings,
+        self._steps[cfg.max_chunk_steps if alone else cfg.chunk_steps],
+        max_steps=cfg.max_chunk_steps, **self._static)
+    new.copy_to_host_async()
+    self.stats["chunks"] += 1
+    self.stats["alone_chunks"] += alone
+    self.stats["launch_s"] += time.perf_counter() - t0
+    return new, dict(self.active), t0
 
   def _set_slot(self, slot: int, req: Request | None) -> None:
     self.settings.set_row(slot, req)
@@ -313,27 +282,72 @@ class SlotEngine:
     if self._thread is not None:
       self._thread.join()
 
-  def _admit(self) -> None:
+  def _admit(self) -> list:
+    """Prefills queued requests into free slots (dispatched, not awaited); returns [(request,
+    its first token [1] on device)]."""
     free = [s for s in range(self.config.slots) if s not in self.active]
+    firsts = []
     while free:
       with self.lock:
         req = self.queue.popleft() if self.queue else None
       if req is None:
-        return
+        break
       if req.cancelled:
         continue
       slot = free.pop(0)
       one = self._prefill(req)
-      first = int(one.out[0, 0])
-      self.state = _insert(self.state, one, slot)
+      one.bonus.copy_to_host_async()
+      self.state = programs.insert(self.state, one, slot)
       req.slot, req.sent = slot, 0
       self._set_slot(slot, req)
       self.active[slot] = req
+      self._company.append(len(self.active) + len(self.queue))
       self.stats["prefilled"] += 1
-      self._deliver(req, [first])
+      firsts.append((req, one.bonus))
+    return firsts
+
+  def _send_firsts(self, firsts) -> None:
+    for req, first in firsts:
+      self._deliver(req, [int(self._wait(first)[0])])
+
+  def _wait(self, x) -> np.ndarray:
+    t0 = time.perf_counter()
+    x = np.asarray(x)
+    self.stats["wait_s"] += time.perf_counter() - t0
+    return x
+
+  def _finish(self, launched) -> tuple[float, int]:
+    """Streams a chunk's new tokens to the requests that held its slots and still do. Returns
+    (seconds from its dispatch to its tokens, the requests it ended)."""
+    new, holders, dispatched = launched
+    rows = self._wait(new)
+    t0 = time.perf_counter()
+    finished = self.stats["finished"]
+    self.stats["steps"] += int(rows[0, 2])
+    for slot, req in holders.items():
+      if self.active.get(slot) is not req:  # finished or cancelled since: its tokens are dropped
+        continue
+      got = programs.Chunk.of(rows[slot], self.config.max_chunk_steps)
+      req.acceptance += got.acceptance(req.sent, req.max_tokens)
+      # (sent == start: a request's first token is sent before its first chunk is read)
+      self._deliver(req, got.tokens[req.sent - got.start:])
+    self.stats["host_s"] += time.perf_counter() - t0
+    return t0 - dispatched, self.stats["finished"] - finished
+
+  def _refill(self, chunk_s: float, ended: int) -> None:
+    """After a chunk of chunk_s seconds ended requests, while slots are free: waits up to
+    refill_wait of that for as many new requests (clients that send the next request on an
+    answer come back within milliseconds and join the next chunk, not the one after)."""
+    wait = self.config.refill_wait * chunk_s
+    if ended and wait > 0 and len(self.active) < self.config.slots:
+      t0 = time.perf_counter()
+      with self.lock:
+        self.lock.wait_for(lambda: len(self.queue) >= ended or self._stop, timeout=wait)
+      self.stats["refill_s"] += time.perf_counter() - t0
 
   def _deliver(self, req: Request, tokens: list[int]) -> None:
-    """Sends `tokens` (cut at a stop id or max_tokens) and evicts a finished request."""
+    """Sends `tokens` (cut at a stop id or max_tokens) and frees the slot of a finished request
+    (the next chunk marks a slot of limit 0 done)."""
     keep, reason = [], None
     for t in tokens:
       if req.sent + len(keep) >= req.max_tokens:
@@ -352,37 +366,39 @@ class SlotEngine:
     else:
       req.emit(keep, reason)
     if reason is not None:
-      self.state = _evict(self.state, req.slot)
       self._set_slot(req.slot, None)
       del self.active[req.slot]
       self.stats["finished"] += 1
 
   def _serve(self) -> None:
+    """Admit, launch a chunk, then stream the chunk launched before it (pipelined, for a request
+    alone) or this one (else: the chunk is read before the next admission, so its finished
+    slots take waiting requests at once). A request's first token is read before the launch
+    when nothing is in flight."""
+    launched = None  # the chunk in flight, not yet read
     while True:
       with self.lock:
-        while not self._stop and not self.queue and not self.active:
+        while not self._stop and not self.queue and not self.active and launched is None:
           self.lock.wait()
         if self._stop:
           return
-      self._admit()
-      if not self.active:
-        continue
-      self.state = self._run_chunk()
-      out, n_out, accepted = jax.device_get((self.state.out, self.state.n_out,
-                                             self.state.accepted))
-      self.stats["chunks"] += 1
-      for slot, req in list(self.active.items()):
-        have = req.sent  # tokens sent before this chunk
-        for c in (int(c) for c in accepted[:, slot] if c > 0):
-          if have >= req.max_tokens:  # steps past the request's end (dropped) are not counted
-            break
-          req.acceptance.append(c)
-          have += c
-        done_before = req.sent  # tokens [sent, n_out) are new (the first came with the prefill)
-        self._deliver(req, [int(t) for t in out[slot, done_before:n_out[slot]]])
+      if launched is not None and not (self.config.pipeline and self._alone()):
+        self._refill(*self._finish(launched))
+        launched = None
+      firsts = self._admit()
+      if launched is None:
+        self._send_firsts(firsts)
+        firsts = []
+      nxt = self._launch() if self.active else None
+      if launched is not None:
+        self._finish(launched)
+      self._send_firsts(firsts)
+      launched = nxt
 
   def metrics(self) -> dict:
-    """Queue depth, active slots and the counters since start."""
+    """Queue depth, active slots and the counters since start (chunks, those of a request alone,
+    steps, tokens; host seconds launching chunks, waiting for results, handling them and waiting
+    for requests to refill slots)."""
     with self.lock:
       queued = len(self.queue)
     return dict(queue_depth=queued, active_slots=len(self.active), slots=self.config.slots,

@@ -11,15 +11,22 @@ in-process `generate` one request at a time with the same prompts and lengths.
   python -m experiments.http_bench --config=configs/default.py --in_process=ar,chain,16 \
       --capacity=512 --json_out=out/serve.jsonl
 
+  python -m experiments.http_bench --config=configs/default.py --config.random_target=True \
+      --config.random_drafter=True --config.drafter= --config.dtype=bfloat16 --in_process=ar,16 \
+      --tokenizer=ddtree_jax/default_model/target --label=8b   # a random 8B-shape target
+
 Each level sends `requests_per_level` requests (the config's prompts, in turn), `concurrency` at
 a time, `max_new_tokens` each, at the config's temperature (greedy at 0; seed = the config's);
 prints a table and writes http_bench.json to out_dir (and, from the command line, one JSON line
-per row to --json_out).
+per row to --json_out). A request's tokens are the server's `usage.completion_tokens` (else its
+token events), its first token the first event with a choice, whatever its text (a random
+target's ids mostly decode to nothing).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import os
 import statistics
@@ -39,7 +46,7 @@ def _one(client, model: str, prompt: str, max_tokens: int, temperature: float = 
                                      stream_options={"include_usage": True}, **sampling)
   for event in stream:
     now = time.perf_counter()
-    if event.choices and event.choices[0].text:
+    if event.choices:  # (a token event; its text may be empty: ids a tokenizer does not know)
       first = first or now
       last = now
       chunks += 1
@@ -106,10 +113,12 @@ def run(cfg, label: str = "", json_out: str = "") -> dict:
   return {"rows": rows, "file": path}
 
 
-def in_process(cfg, target, drafter, runs, capacity: int | None = None, threads: int = 8):
+def in_process(cfg, target, drafter, runs, capacity: int | None = None, threads: int = 8,
+               label: str = ""):
   """In-process `generate`, one prompt at a time (concurrency 1), per (method, budget) of runs:
   a warm-up then cfg.repeats timed calls per prompt. tokens_per_second: tokens over the call's
-  wall time (prefill included, as a client sees it); decode_tokens_per_second: the decode loop's."""
+  wall time (prefill included, as a client sees it); decode_tokens_per_second: the decode loop's.
+  Rows are labelled ar, chain or the budget, after `label` and a colon when given."""
   import ddtree_jax as dj  # pylint: disable=import-outside-toplevel
   from experiments import workflow  # pylint: disable=import-outside-toplevel
   prompts = workflow.make_prompts(cfg, target, len(cfg.prompts))
@@ -127,7 +136,8 @@ def in_process(cfg, target, drafter, runs, capacity: int | None = None, threads:
         e2e.append(len(res.tokens[0]) / (time.perf_counter() - t0))
         dec.append(res.stats["tokens_per_second"])
         acc += res.stats["acceptance_lengths"][0]
-    rows.append({"label": str(budget) if budget else method, "mode": "in_process",
+    name = str(budget) if budget else method
+    rows.append({"label": f"{label}:{name}" if label else name, "mode": "in_process",
                  "method": method, "budget": budget, "concurrency": 1,
                  "tokens_per_second": statistics.median(e2e),
                  "decode_tokens_per_second": statistics.median(dec),
@@ -145,7 +155,11 @@ def main(_):
     runs = [(x, 0) if x in ("ar", "chain") else ("ddtree", int(x))
             for x in f.in_process.split(",") if x]
     target, drafter = workflow.load_models(cfg)
-    _append(f.json_out, in_process(cfg, target, drafter, runs, f.capacity or None))
+    if f.tokenizer:  # a random target's prompts encoded as the server encodes them
+      from ddtree_jax import checkpoint  # pylint: disable=import-outside-toplevel
+      target = dataclasses.replace(target, tokenizer=checkpoint.load_tokenizer(f.tokenizer))
+    _append(f.json_out, in_process(cfg, target, drafter, runs, f.capacity or None,
+                                   label=f.label))
   else:
     run(cfg, f.label, f.json_out)
 
@@ -154,8 +168,11 @@ if __name__ == "__main__":
   from absl import flags as absl_flags
   from experiments import workflow as _workflow
   _workflow.define_config("configs/default.py")
-  absl_flags.DEFINE_string("label", "", "names the server in the rows, as --in_process names "
-                           "its runs (ar, chain, a DDTree budget)")
+  absl_flags.DEFINE_string("label", "", "names the server in the rows; with --in_process, "
+                           "prefixes its runs' names (ar, chain, a DDTree budget) as LABEL:run")
+  absl_flags.DEFINE_string("tokenizer", "", "with --in_process: encode the prompts with this "
+                           "directory's tokenizer.json (a random target's, as the server's "
+                           "serve.tokenizer does)")
   absl_flags.DEFINE_string("json_out", "", "append each row here as a JSON line")
   absl_flags.DEFINE_string("in_process", "", "instead of HTTP: in-process generate at "
                            "concurrency 1 for these runs (ar, chain or a DDTree budget)")

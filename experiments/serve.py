@@ -3,45 +3,84 @@
 
   make serve                                                   # the bundled pair on CPU
   python -m experiments.serve --config=configs/serve.py --config.target=... --config.drafter=...
+  python -m experiments.serve --config=configs/serve.py --config.random_target=True \
+      --config.random_drafter=True --config.drafter= --config.dtype=bfloat16 \
+      --config.serve.tokenizer=ddtree_jax/default_model/target   # Qwen3-8B's shape, random
 
 Loads the pair, compiles every program (or reads them from JAX's persistent compilation cache:
 a restart with the same shapes is ready in seconds), prints one "ready" line with the URL and
-the warm-up seconds, then serves until interrupted.
+the warm-up seconds, then serves until interrupted. A random target has no tokenizer:
+serve.tokenizer names a directory whose tokenizer.json (and tokenizer_config.json's chat
+template) encodes text prompts and decodes the ids it knows.
 """
 
 import os
 import threading
 import time
 
-from absl import app, logging
+from absl import app, flags, logging
 import uvicorn
 
 from experiments import workflow
-from ddtree_jax import engine, server, slots
+from ddtree_jax import checkpoint, engine, server, slots
 
-_CONFIG = workflow.define_config("configs/serve.py")  # (also the compilation cache flags)
+
+def slot_config(cfg) -> slots.SlotConfig:
+  """The SlotConfig of cfg.serve (ValueError naming the field for a bad value)."""
+  s = cfg.serve
+  try:
+    buckets = tuple(int(b) for b in str(s.prompt_buckets).split(",") if b)
+  except ValueError:
+    raise ValueError(f"SlotConfig.prompt_buckets must be comma-separated integers, got "
+                     f"{s.prompt_buckets!r}") from None
+  return slots.SlotConfig(
+      method=s.method, budget=s.budget, slots=s.slots, capacity=s.capacity,
+      chunk_steps=s.chunk_steps, max_chunk_steps=s.max_chunk_steps, pipeline=s.pipeline,
+      refill_wait=s.refill_wait, max_queue=s.max_queue, attention=cfg.attention or None,
+      sampling=s.sampling, max_top_k=s.max_top_k, prompt_buckets=buckets)
+
+
+def tokenizer_dir(cfg) -> str | None:
+  """Where the server's tokenizer and chat template come from: serve.tokenizer, else the target's
+  directory (None for a random target: token-id prompts only)."""
+  if cfg.serve.tokenizer:
+    if not os.path.exists(os.path.join(cfg.serve.tokenizer, "tokenizer.json")):
+      raise workflow.ConfigError(f"serve.tokenizer {cfg.serve.tokenizer!r} has no "
+                                 "tokenizer.json")
+    return cfg.serve.tokenizer
+  return None if cfg.random_target else cfg.target
+
+
+def build(cfg):
+  """(engine warmed up but not started, FastAPI app, model name, warm-up seconds) for cfg."""
+  slot_cfg = slot_config(cfg)
+  tok_dir = tokenizer_dir(cfg)
+  if cfg.random_target and cfg.drafter:
+    raise workflow.ConfigError(f"drafter {cfg.drafter!r} is a checkpoint's, random_target is set: "
+                               "use --config.drafter= with --config.random_drafter=True (or "
+                               "--config.serve.method=ar)")
+  if cfg.drafter and cfg.random_drafter:
+    raise workflow.ConfigError(f"both drafter={cfg.drafter!r} and random_drafter=True are set")
+  target, drafter = workflow.load_models(cfg)
+  tokenizer = checkpoint.load_tokenizer(tok_dir) if tok_dir else None
+  eng = slots.SlotEngine(target, drafter, slot_cfg)
+  warm = eng.warm_up()
+  name = cfg.serve.model_name or (f"random-{cfg.shape.model_type}" if cfg.random_target else
+                                  os.path.basename(os.path.normpath(cfg.target)))
+  template, special = server.load_chat_template(tok_dir)
+  return eng, server.make_app(eng, tokenizer, name, template, special), name, warm
 
 
 def main(_):
   t0 = time.perf_counter()
   cache_dir = engine.compilation_cache_from_flags()
-  cfg = _CONFIG.value
+  cfg = flags.FLAGS.config
   s = cfg.serve
   try:
-    slot_cfg = slots.SlotConfig(
-        method=s.method, budget=s.budget, slots=s.slots, capacity=s.capacity,
-        chunk_steps=s.chunk_steps, max_queue=s.max_queue, attention=cfg.attention or None,
-        sampling=bool(s.sampling), max_top_k=s.max_top_k,
-        prompt_buckets=tuple(int(b) for b in str(s.prompt_buckets).split(",") if b))
-  except ValueError as e:
-    raise app.UsageError(f"--config.serve: {e}") from None
-  target, drafter = workflow.load_models(cfg)
-  eng = slots.SlotEngine(target, drafter, slot_cfg)
-  warm = eng.warm_up()
+    eng, api, name, warm = build(cfg)
+  except ValueError as e:  # SlotConfig's errors and workflow.ConfigError
+    raise app.UsageError(f"--config.serve: {e}" if "SlotConfig" in str(e) else str(e)) from None
   eng.start()
-  name = s.model_name or os.path.basename(os.path.normpath(cfg.target))
-  template, special = server.load_chat_template(None if cfg.random_target else cfg.target)
-  api = server.make_app(eng, target.tokenizer, name, template, special)
   srv = uvicorn.Server(uvicorn.Config(api, host=s.host, port=s.port, log_level="warning"))
   thread = threading.Thread(target=srv.run, name="http", daemon=True)
   thread.start()
@@ -50,9 +89,11 @@ def main(_):
   if not srv.started:
     eng.stop()
     raise app.UsageError(f"the server did not start on {s.host}:{s.port} (see the log above)")
-  print(f"ready: http://{s.host}:{s.port}/v1 model {name!r}, {slot_cfg.method}"
-        + (f" B={slot_cfg.budget}" if slot_cfg.method == "ddtree" else "")
-        + f", {slot_cfg.slots} slots x {slot_cfg.capacity} tokens; programs ready in "
+  c = eng.config
+  print(f"ready: http://{s.host}:{s.port}/v1 model {name!r}, {c.method}"
+        + (f" B={c.budget}" if c.method == "ddtree" else "")
+        + f", {c.slots} slots x {c.capacity} tokens, chunks of {c.chunk_steps}-"
+        f"{c.max_chunk_steps} steps{' pipelined' if c.pipeline else ''}; programs ready in "
         f"{warm:.1f} s (compilation cache {cache_dir or 'off'}), started in "
         f"{time.perf_counter() - t0:.1f} s", flush=True)
   try:
@@ -67,4 +108,5 @@ def main(_):
 
 
 if __name__ == "__main__":
+  workflow.define_config("configs/serve.py")  # (also the compilation cache flags)
   app.run(main)

@@ -5,13 +5,15 @@
   python -m experiments.perf.bench_slots --small    # tiny shapes on CPU (smoke)
 
 Per (run, slots): the static program is `decode.decode_loop` over a batch of `slots` rows; the
-slot program is the server's chunk (`slots.chunk`: per-slot settings and PRNG keys, stop ids and
-max_tokens checked on device, the sampling branch behind a condition), both over --steps steps
+slot program is the server's chunk (`slot_programs.chunk`: per-slot settings and PRNG keys, stop
+ids and max_tokens checked on device, the sampling branch behind a condition, its step count a
+traced argument, each slot's new tokens gathered for the copy back), both over --steps steps
 from the same random state (caches of --prefix rows, every row busy, every row greedy unless
 --temperature > 0). A step is a call's wall time over the steps it ran (the per-call cost is in
-both), the median of --repeats calls, the two programs timed alternately. A run's programs are
-compiled together, --compile_threads at a time, then timed. Goal: slot / static <= 1.1. Prints
-a table and appends one JSON line per row to --json_out.
+both; the slot call's includes copying its new tokens back, as the server does), the median of
+--repeats calls, the two programs timed alternately. A run's programs are compiled together,
+--compile_threads at a time, then timed. Goal: slot / static <= 1.1. Prints a table and appends
+one JSON line per row to --json_out.
 """
 
 import concurrent.futures
@@ -24,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax import decode, engine, row_sampling, slots
+from ddtree_jax import decode, engine, row_sampling, slot_programs, slots
 from ddtree_jax.kernels import Kernels
 from experiments.perf import harness
 
@@ -71,11 +73,13 @@ def compile_pair(case: harness.Case, settings):
   t0 = time.perf_counter()
   static, _, _ = case.compile()
   shape = jax.eval_shape(lambda: slot_state(case))
-  chunk = slots.chunk.lower(case.tparams, case.dparams, shape, settings, tcfg=case.tcfg,
-                            dcfg=case.dcfg, lc=case.lc, steps=FLAGS.steps,
-                            sampling=FLAGS.sampling, max_top_k=slots.SlotConfig.max_top_k
-                            ).compile()
-  return static, chunk, time.perf_counter() - t0
+  steps = jnp.int32(FLAGS.steps)
+  chunk = slot_programs.chunk.lower(
+      case.tparams, case.dparams, shape, settings, steps, tcfg=case.tcfg, dcfg=case.dcfg,
+      lc=case.lc, max_steps=FLAGS.steps, sampling=FLAGS.sampling,
+      max_top_k=slots.SlotConfig.max_top_k).compile()
+  run = lambda tparams, dparams, state, settings: chunk(tparams, dparams, state, settings, steps)
+  return static, run, time.perf_counter() - t0
 
 
 def time_pair(case, static, chunk, settings):
@@ -90,10 +94,11 @@ def time_pair(case, static, chunk, settings):
     del st, out
     st = jax.block_until_ready(slot_state(case))
     t = time.perf_counter()
-    out = jax.block_until_ready(chunk(case.tparams, case.dparams, st, settings))
+    out, new = jax.block_until_ready(chunk(case.tparams, case.dparams, st, settings))
+    new = np.asarray(new)  # the copy back is part of the server's chunk
     tc.append(time.perf_counter() - t)
     n_slot = int(out.step)
-    del st, out
+    del st, out, new
   return (float(np.median(ts[1:])) / n_static, float(np.median(tc[1:])) / n_slot,
           n_static, n_slot)
 

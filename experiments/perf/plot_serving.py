@@ -3,6 +3,9 @@ server (AR, chain, DDTree budgets), from the HTTP rows of run_serve_h200.sh's se
 
   python -m experiments.perf.plot_serving \
       --rows=experiments/results/serving-2026-12-01/h200/serve.jsonl --out=docs/serving_h200.png
+
+Rows labelled "MODEL:RUN/SLOTS" (run_serve_h200.sh since 2026-12-02) are kept when MODEL is
+--model; plain labels (ar, chain, a budget: the 2026-12-01 rows) always are.
 """
 
 import json
@@ -17,19 +20,30 @@ flags.DEFINE_string("rows", None, "http_bench.py --json_out file")
 flags.DEFINE_string("out", "docs/serving_h200.png", "PNG to write")
 flags.DEFINE_string("title", "bundled pair over HTTP, one H200, 32 slots, 64 tokens a request",
                     "plot title")
+flags.DEFINE_string("model", "pair", "the MODEL part of MODEL:RUN/SLOTS labels to plot")
 flags.mark_flag_as_required("rows")
 FLAGS = flags.FLAGS
 
 
+def split(label: str) -> tuple[str, str, str]:
+  """"pair:16/32" -> ("pair", "16", "32"); "16" -> ("", "16", "")."""
+  model, _, rest = label.rpartition(":")
+  run, _, slots = rest.partition("/")
+  return model, run, slots
+
+
 def name(label: str) -> str:
-  return label if label in ("ar", "chain") else f"DDTree B={label}"
+  _, run, slots = split(label)
+  run = run if run in ("ar", "chain") else f"DDTree B={run}"
+  return f"{run}, {slots} slots" if slots else run
 
 
 def main(_):
   with open(FLAGS.rows) as f:
-    rows = [r for r in map(json.loads, f) if r.get("mode") == "http"]
+    rows = [r for r in map(json.loads, f) if r.get("mode") == "http"
+            and split(r["label"])[0] in ("", FLAGS.model)]
   if not rows:
-    raise app.UsageError(f"{FLAGS.rows} has no HTTP rows")
+    raise app.UsageError(f"{FLAGS.rows} has no HTTP rows of model {FLAGS.model!r}")
   fig, (ax_tps, ax_ttft) = plt.subplots(1, 2, figsize=(10, 4))
   for label in dict.fromkeys(r["label"] for r in rows):
     mine = sorted((r for r in rows if r["label"] == label), key=lambda r: r["concurrency"])

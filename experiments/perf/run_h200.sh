@@ -20,6 +20,8 @@
 #   experiments/perf/run_h200.sh m8b OUT      # bench_matrix: Qwen3-8B shape (~360 s)
 #   experiments/perf/run_h200.sh moe OUT      # Qwen3-30B-A3B shape: the HF reference, then bench_moe
 #   experiments/perf/run_h200.sh mla OUT      # Moonlight-16B-A3B (MLA) and the latent kernel
+#   experiments/perf/run_h200.sh mla8k OUT    # Moonlight AR and B=16 at an 8K prefix
+#   experiments/perf/run_h200.sh moe_loop OUT # Qwen3-30B-A3B AR and B=16 loop steps
 #   experiments/perf/run_h200.sh kimi OUT     # the Kimi-K2 slice's forwards at 4 and 2 layers
 #   experiments/perf/run_h200.sh moe_pairs OUT  # MoE layers at decode rows: pair kernels vs sorted
 #
@@ -59,6 +61,16 @@ case $what in
       --attention=pallas --steps=16 --top=45 >"$out/mla_profile.log" 2>&1
     timeout 80 $py -m experiments.perf.bench_latent --heads=16,64,128 --prefixes=4096,32768 \
       --tokens=1,17 --json_out="$out/latent.jsonl" >"$out/latent.log" 2>&1
+    ;;
+  mla8k)  # ~120 s: the Moonlight shape's AR and B=16 loop at an 8K prefix
+    timeout 160 $py -m experiments.perf.bench_moe --shape=moonlight-16b-a3b --compile_threads=8 \
+      --sections=loop --prefix=8192 --loop_runs="1:ar,16" --steps=8 --repeats=3 \
+      --json_out="$out/mla_8k.jsonl" >"$out/mla_8k.log" 2>&1
+    ;;
+  moe_loop)  # ~120 s: the Qwen3-30B-A3B shape's AR and B=16 loop (batch 1, prefix 1K)
+    timeout 160 $py -m experiments.perf.bench_moe --compile_threads=8 --sections=loop \
+      --loop_runs="1:ar,16" --steps=8 --repeats=3 --json_out="$out/moe_loop.jsonl" \
+      >"$out/moe_loop.log" 2>&1
     ;;
   kimi)  # ~250 s: the Kimi-K2 slice (its first 4 layers, 107 GB, so JAX may take 95 % of the
          # GPU) cut to 4 and 2 layers: forwards of T tokens, the per-layer cost by difference
@@ -173,7 +185,7 @@ case $what in
       --config.out_dir="$out/m8b" >"$out/m8b.log" 2>&1
     tar -C "$out" -czf "$out/m8b.tgz" m8b 2>/dev/null && rm -r "$out/m8b"
     ;;
-  *) echo "usage: $0 compile|step|step8|spec|quick|goals|results|int8|profile|profile_tp|kernel|sweep|gemm|tp|matrix|temperature|m8b|moe|moe_pairs|mla|kimi OUT" >&2
+  *) echo "usage: $0 compile|step|step8|spec|quick|goals|results|int8|profile|profile_tp|kernel|sweep|gemm|tp|matrix|temperature|m8b|moe|moe_pairs|moe_loop|mla|mla8k|kimi OUT" >&2
      exit 2 ;;
 esac
 ls -la "$out"

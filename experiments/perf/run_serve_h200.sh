@@ -1,21 +1,34 @@
 #!/usr/bin/env bash
-# The serving measurements on one H200 (WORKSPACE.md, Serving), ~450 s. From the repository root:
+# The serving measurements on one H200 (WORKSPACE.md, Serving), one run of <= ~8 min. From the
+# repository root:
 #
 #   bash experiments/perf/run_serve_h200.sh OUT
 #
 # (a) installs the serving wheels of .whl/ (fastapi, uvicorn, pydantic, openai, ml_collections,
-#     ...; pip download, see WORKSPACE.md) into $SITE; (b) bench_slots (<= 240 s): the slot
-#     engine's step vs the static decode loop's, Qwen3-8B shape, AR and DDTree B=16 / 64 at 1, 8,
-#     16, 32 slots; (c) (~200 s) the bundled pair served by experiments/serve.py as AR, chain,
-#     DDTree B=16 and B=64: the four servers start together (compiling at once), then are
-#     measured one at a time by the HTTP harness at concurrency 1, 4, 16, 32 (TTFT p50 / p99,
-#     TPOT, tokens/s, acceptance), then stopped; then in-process generate at concurrency 1 for
-#     the same runs (the "HTTP within 5 % of in-process" check).
-# OUT gets 6 files: slots.log, slots.jsonl (b); serve.log (pip and the servers), http.log,
-# serve.jsonl (HTTP and in-process rows) (c); summary.txt (GPU, the two tables).
-# Every step runs under `timeout`; a cut step leaves the rows it wrote.
-# Env: PYTHON (python3), SITE (/tmp/site), SLOTS (32, server decode slots), SMALL=1: a CPU dry
-# run (tiny bench_slots, AR and B=16 servers with 2 slots, short levels).
+#     ...; see experiments/results/serving-2026-12-02/NOTES.md) into $SITE.
+# (b) starts nine servers at once (experiments/serve.py; they compile together, then wait):
+#     five of the Qwen3-8B shape (random bf16 weights, a random 5-layer int8 DFlash drafter over
+#     ids 0..32767, as bench_slots; prompts encoded and ids decoded by the bundled target's
+#     tokenizer): AR, DDTree B=16 and B=64 with 1 slot, AR and B=16 with 4 slots (capacity 512);
+#     and four of the bundled pair (float32): AR, chain, B=16, B=64 with $SLOTS slots.
+# (c) the 8B servers over HTTP (experiments/http_bench.py, 64 streaming tokens per request):
+#     concurrency 1 (8 requests) on every one, 4 (16 requests) on the 4-slot ones; then stops
+#     them and runs in-process `generate` (batch 1, the same prompt ids, capacity 512) for AR,
+#     B=16, B=64: the "HTTP within 5 % of in-process at concurrency 1" check.
+# (d) the bundled servers at concurrency 1, 4, 16, 32 (32 requests per level); then in-process
+#     generate for AR, chain, B=16, B=64.
+# After each server's HTTP run its /health counters (chunks, steps, host seconds dispatching,
+# waiting and streaming) go to health.jsonl.
+# OUT gets: run.log (each step's rc and the elapsed seconds), serve.log (pip and every server's
+# log, lines prefixed [label]), http.log (the harness's output), serve.jsonl (HTTP and in-process
+# rows), health.jsonl, summary.txt (GPU, commit, the tables of experiments/perf/serve_summary.py;
+# also printed). Every step runs under `timeout`, cut to what is left of BUDGET_S (default 470
+# s; a step with < 5 s left is skipped); rows are written as they come, so a cut run keeps them.
+# Labels: HTTP "MODEL:RUN/SLOTS" (8b:16/1, pair:ar/32), in-process "MODEL:RUN".
+# Env: PYTHON (python3), SITE (/tmp/site), SLOTS (32: the bundled servers' slots), BUDGET_S,
+# BENCH_SLOTS=1 (first bench_slots: the slot step vs the static loop at 1-32 slots, up to T_SLOTS
+# = 240 s more), SMALL=1 (a CPU dry run: a tiny random target for the 8B one, two bundled servers
+# of 2 slots, short levels).
 set -u
 out=${1:?usage: bash experiments/perf/run_serve_h200.sh OUT}
 mkdir -p "$out"
@@ -23,104 +36,177 @@ py=${PYTHON:-python3}
 site=${SITE:-/tmp/site}
 tmp=$(mktemp -d)
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-t_start=$SECONDS
-
-# (a) wheels
+t0=$SECONDS
+: >"$out/run.log"
 : >"$out/serve.log"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  timeout 120 $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target "$site" .whl/*.whl >>"$out/serve.log" 2>&1 || echo "pip install failed" >&2
-fi
-export PYTHONPATH=$PWD:$site
+: >"$out/http.log"
+: >"$out/health.jsonl"
+
+note() { echo "[$((SECONDS - t0)) s] $*" | tee -a "$out/run.log"; }
+left() { echo $((budget - (SECONDS - t0))); }
+step() {  # step NAME SECONDS CMD...: CMD under timeout min(SECONDS, budget left); skipped < 5 s
+  local name=$1 want=$2 t
+  shift 2
+  t=$(left)
+  [ "$want" -lt "$t" ] && t=$want
+  if [ "$t" -lt 5 ]; then note "$name: skipped (time budget spent)"; return 124; fi
+  timeout "$t" "$@"
+  local rc=$?
+  note "$name: rc $rc"
+  return $rc
+}
 
 if [ "${SMALL:-0}" = 1 ]; then
-  slots_args="--small --runs=ar,16 --slots=1,2 --steps=4 --repeats=1 --compile_threads=2"
-  runs="ar 16"; slots=2; levels=1,2; per_level=2; tokens=8; repeats=1
-  t_ready=300; t_http=120; t_inproc=300; t_slots=300
+  budget=${BUDGET_S:-1500}
+  tiny=(--config.dtype=float32 --config.shape.vocab_size=4096 --config.shape.hidden_size=64
+        --config.shape.intermediate_size=128 --config.shape.num_layers=2
+        --config.shape.num_heads=2 --config.shape.num_kv_heads=1 --config.shape.head_dim=32
+        --config.drafter_shape.num_layers=1)
+  vocab=1024; big_runs="ar/1 16/1 ar/2"; big_levels=2; pair_runs="ar 16"; slots=2
+  pair_levels=1,2; per_level=2; tokens=8; repeats=1; t_ready=900; t_http=120; t_inproc=400
+  slots_args="--small --runs=ar --slots=1 --steps=4 --repeats=1 --compile_threads=2"
+  t_slots=300
 else
-  slots_args=""
-  runs="ar chain 16 64"; slots=${SLOTS:-32}; levels=1,4,16,32; per_level=32; tokens=64; repeats=3
-  t_ready=110; t_http=25; t_inproc=70; t_slots=${T_SLOTS:-240}
+  budget=${BUDGET_S:-470}
+  tiny=(--config.dtype=bfloat16)
+  vocab=32768; big_runs="ar/1 16/1 64/1 ar/4 16/4"; big_levels=4; pair_runs="ar chain 16 64"
+  slots=${SLOTS:-32}; pair_levels=1,4,16,32; per_level=32; tokens=64; repeats=3
+  t_ready=240; t_http=40; t_inproc=150; slots_args=""; t_slots=${T_SLOTS:-240}
+fi
+[ "${BENCH_SLOTS:-0}" = 1 ] && budget=$((budget + t_slots))
+tok_dir=ddtree_jax/default_model/target
+big=(--config.random_target=True --config.random_drafter=True --config.drafter=
+     --config.drafter_int8=True --config.draft_vocab="$tmp/vocab.npy" "${tiny[@]}")
+
+# (a) wheels
+if ls .whl/*.whl >/dev/null 2>&1; then
+  step pip 120 $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --upgrade --target "$site" .whl/*.whl >>"$out/serve.log" 2>&1
+fi
+export PYTHONPATH=$PWD:$site${PYTHONPATH:+:$PYTHONPATH}
+$py -c "import numpy; numpy.save('$tmp/vocab.npy', numpy.arange($vocab))" || note "no numpy?"
+
+if [ "${BENCH_SLOTS:-0}" = 1 ]; then
+  step bench_slots "$t_slots" $py -m experiments.perf.bench_slots $slots_args \
+    --json_out="$out/slots.jsonl" >"$out/slots.log" 2>&1
 fi
 
-# (b) slot engine vs static decode loop
-timeout $t_slots $py -m experiments.perf.bench_slots $slots_args --json_out="$out/slots.jsonl" \
-  >"$out/slots.log" 2>&1
-echo "bench_slots: rc $?, $((SECONDS - t_start)) s" >>"$out/serve.log"
-
-# (c) four servers of the bundled pair, started together, measured one at a time
-server_args() {  # run -> serve config overrides
+# (b) every server at once; each under a timeout that ends it with the budget
+run_args() {  # RUN -> serve config overrides (ar, chain or a DDTree budget)
   case $1 in
     ar|chain) echo "--config.serve.method=$1" ;;
     *) echo "--config.serve.method=ddtree --config.serve.budget=$1" ;;
   esac
 }
-pids=()
-port=8101
-for r in $runs; do
-  XLA_PYTHON_CLIENT_MEM_FRACTION=0.15 timeout $((t_ready + 4 * t_http + 30)) \
-    $py -m experiments.serve --config=configs/serve.py $(server_args "$r") \
-    --config.serve.port=$port --config.serve.slots=$slots --config.serve.capacity=512 \
-    --config.serve.model_name="bundled-$r" > >(sed -u "s/^/[$r] /" >>"$out/serve.log") 2>&1 &
-  pids+=($!)
-  port=$((port + 1))
+declare -A pid port
+start() {  # start LABEL PORT ENV... -- SERVE_ARGS...
+  local label=$1 p=$2 envs=()
+  shift 2
+  while [ "$1" != -- ]; do envs+=("$1"); shift; done
+  shift
+  local t=$(left)
+  [ "$t" -lt 1 ] && t=1  # (timeout 0 would mean none)
+  env "${envs[@]}" timeout "$t" $py -m experiments.serve --config=configs/serve.py "$@" \
+    --config.serve.port="$p" --config.serve.model_name="${label//[:\/]/-}" \
+    > >(sed -u "s|^|[$label] |" >>"$out/serve.log") 2>&1 &
+  pid[$label]=$!
+  port[$label]=$p
+}
+n=8201
+for r in $big_runs; do
+  start "8b:$r" $n XLA_PYTHON_CLIENT_MEM_FRACTION=0.17 -- "${big[@]}" $(run_args "${r%/*}") \
+    --config.serve.slots="${r#*/}" --config.serve.capacity=512 --config.serve.prompt_buckets=16 \
+    --config.serve.tokenizer=$tok_dir
+  n=$((n + 1))
 done
-deadline=$((SECONDS + t_ready))
-i=0
-for r in $runs; do
-  until grep -q "^\[$r\] ready:" "$out/serve.log"; do
-    if [ $SECONDS -ge $deadline ] || ! kill -0 "${pids[$i]}" 2>/dev/null; then
-      echo "[$r] not ready ($((SECONDS - t_start)) s)" >>"$out/serve.log"; break
+n=8101
+for r in $pair_runs; do
+  start "pair:$r/$slots" $n XLA_PYTHON_CLIENT_PREALLOCATE=false -- $(run_args "$r") \
+    --config.serve.slots="$slots" --config.serve.capacity=512
+  n=$((n + 1))
+done
+ready() {  # ready LABEL SECONDS: waits for the server's "ready:" line
+  local deadline=$((SECONDS + $2))
+  until grep -q "^\[$1\] ready:" "$out/serve.log"; do
+    if [ $SECONDS -ge $deadline ] || [ "$(left)" -lt 5 ] || ! kill -0 "${pid[$1]}" 2>/dev/null
+    then
+      note "[$1] not ready"
+      return 1
     fi
     sleep 1
   done
-  i=$((i + 1))
+  note "[$1] ready"
+}
+http() {  # http LABEL LEVELS REQUESTS_PER_LEVEL: the harness, then the server's /health
+  step "http $1" "$t_http" $py -m experiments.http_bench --config=configs/default.py \
+    --config.endpoint="http://127.0.0.1:${port[$1]}" --config.concurrency="$2" \
+    --config.requests_per_level="$3" --config.max_new_tokens=$tokens --config.out_dir="$tmp" \
+    --label="$1" --json_out="$out/serve.jsonl" >>"$out/http.log" 2>&1
+  $py - "${port[$1]}" "$1" >>"$out/health.jsonl" 2>>"$out/run.log" <<'EOF'
+import json, sys, urllib.request
+with urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/health", timeout=10) as r:
+  print(json.dumps(dict(json.load(r), label=sys.argv[2])))
+EOF
+}
+stop() {  # stop LABEL...
+  for label in "$@"; do kill "${pid[$label]}" 2>/dev/null; done
+  for label in "$@"; do wait "${pid[$label]}" 2>/dev/null; done
+}
+
+# (c) the 8B shape: HTTP at concurrency 1 (and 4 on 4 slots), then in-process
+# Every server is ready (compiled) before any is measured: a server measured while others still
+# compile shares the host with them (on 2026-12-02 the first-ready 8B server read 0.34x).
+big_labels=()
+for r in $big_runs; do big_labels+=("8b:$r"); done
+pair_labels=()
+for r in $pair_runs; do pair_labels+=("pair:$r/$slots"); done
+ready_at=$((SECONDS + t_ready))
+declare -A up
+for label in "${big_labels[@]}" "${pair_labels[@]}"; do
+  ready "$label" $((ready_at - SECONDS)) && up[$label]=1
 done
-echo "servers ready: $((SECONDS - t_start)) s" >>"$out/serve.log"
-port=8101
-for r in $runs; do
-  if grep -q "^\[$r\] ready:" "$out/serve.log"; then
-    timeout $t_http $py -m experiments.http_bench --config=configs/default.py \
-      --config.endpoint=http://127.0.0.1:$port --config.concurrency=$levels \
-      --config.requests_per_level=$per_level --config.max_new_tokens=$tokens \
-      --config.out_dir="$tmp" --label="$r" --json_out="$out/serve.jsonl" >>"$out/http.log" 2>&1
-    echo "http $r: rc $?, $((SECONDS - t_start)) s" >>"$out/serve.log"
+for label in "${big_labels[@]}"; do
+  if [ -n "${up[$label]:-}" ]; then
+    levels=1
+    [ "${label#*/}" != 1 ] && levels=1,$big_levels
+    http "$label" $levels 8
   fi
-  port=$((port + 1))
 done
-for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null; done
-wait "${pids[@]}" 2>/dev/null
-timeout $t_inproc $py -m experiments.http_bench --config=configs/default.py \
-  --in_process="${runs// /,}" --capacity=512 --config.max_new_tokens=$tokens \
+stop "${big_labels[@]}"
+inproc=$(for r in $big_runs; do echo "${r%/*}"; done | sort -u | paste -sd,)
+step "in-process 8b" "$t_inproc" env XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 $py \
+  -m experiments.http_bench --config=configs/default.py "${big[@]}" --in_process="$inproc" \
+  --tokenizer=$tok_dir \
+  --label=8b --capacity=512 --config.max_new_tokens=$tokens --config.repeats=$repeats \
+  --json_out="$out/serve.jsonl" >>"$out/http.log" 2>&1
+
+# (d) the bundled pair
+for label in "${pair_labels[@]}"; do
+  [ -n "${up[$label]:-}" ] && http "$label" $pair_levels $per_level
+done
+stop "${pair_labels[@]}"
+step "in-process pair" "$t_inproc" $py -m experiments.http_bench --config=configs/default.py \
+  --in_process="${pair_runs// /,}" --label=pair --capacity=512 --config.max_new_tokens=$tokens \
   --config.repeats=$repeats --json_out="$out/serve.jsonl" >>"$out/http.log" 2>&1
-echo "in-process: rc $?, $((SECONDS - t_start)) s" >>"$out/serve.log"
 
 {
   nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv 2>&1 | head -3
   git log -1 --format='commit %h %cd' 2>/dev/null
-  echo "total $((SECONDS - t_start)) s"
-  sed -n '/^== slot engine step/,/^total/p' "$out/slots.log"
-  $py - "$out/serve.jsonl" <<'EOF'
-import json, sys
-try:
-  rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
-except OSError:
-  rows = []
-inproc = {r["label"]: r for r in rows if r["mode"] == "in_process"}
-fmt = lambda v, f: "-" if v is None else format(v, f)
-print("\n== HTTP (bundled pair) vs in-process generate at concurrency 1")
-print(f"{'run':<7}{'conc':>5}{'tok/s':>9}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT ms':>9}"
-      f"{'accept':>8}{'in-proc tok/s':>15}{'http/in-proc':>14}")
-for r in rows:
-  if r["mode"] != "http":
-    continue
-  base = inproc.get(r["label"]) if r["concurrency"] == 1 else None
-  ratio = r["tokens_per_second"] / base["tokens_per_second"] if base else None
-  print(f"{r['label']:<7}{r['concurrency']:>5}{r['tokens_per_second']:>9.1f}"
-        f"{r['ttft_p50_ms']:>10.1f}{r['ttft_p99_ms']:>10.1f}{fmt(r['tpot_ms'], '.2f'):>9}"
-        f"{fmt(r['acceptance_length'], '.2f'):>8}"
-        f"{fmt(base and base['tokens_per_second'], '.1f'):>15}{fmt(ratio, '.3f'):>14}")
-EOF
+  git status --short -- ddtree_jax experiments configs 2>/dev/null | head -20
+  echo "total $((SECONDS - t0)) s (budget $budget s); steps:"
+  cat "$out/run.log"
+  grep -h "\] ready:" "$out/serve.log" | sed 's/(compilation cache [^)]*), //'
+  [ -s "$out/slots.log" ] && sed -n '/^== slot engine step/,/^total/p' "$out/slots.log"
+  echo
+  echo "8b: the Qwen3-8B shape, random bf16 weights, random 5-layer int8 DFlash drafter over ids"
+  echo "    0..32767 (acceptance ~1: these rows time steps, not speculation); prompts encoded by"
+  echo "    the bundled tokenizer; pair: the bundled pair, float32. Labels MODEL:RUN/SLOTS."
+  echo "    $tokens tokens a request, streaming; in-proc: dj.generate at batch 1, tokens over the"
+  echo "    call's wall time (prefill included), the same prompt ids, capacity 512."
+  echo "    (8b servers compiled 5 at a time beside the pair's, in-process 3 at a time: concurrent"
+  echo "    compiles move GEMM picks by up to ~3 %, WORKSPACE Findings: Compile time.)"
+  echo
+  $py -m experiments.perf.serve_summary "$out/serve.jsonl" "$out/health.jsonl"
 } >"$out/summary.txt" 2>&1
 rm -rf "$tmp"
 cat "$out/summary.txt"
