@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 venv: $(VENV)/.installed
 
 test: venv
-	$(PY) -m pytest -q -n 2 --dist loadfile tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25 tests
 
 demo: venv
 	$(PY) -m experiments.generate --config=configs/default.py
