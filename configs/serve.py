@@ -35,7 +35,8 @@ def get_config():
   s.capacity = 512                  # cache rows per slot: prompt + generated tokens
   s.chunk_steps = 8                 # decode steps per chunk between two admissions
   s.max_chunk_steps = 32            # ... while requests come one at a time
-  s.pipeline = True                 # ... and dispatch the next chunk before streaming the last
+  s.pipeline = False                # ... and dispatch the next chunk before streaming the last
+                                    # (on a GPU the dispatch waits for the chunk: no overlap)
   s.refill_wait = 0.1               # after a chunk that ended requests, wait up to this fraction
                                     # of its time for new ones while slots are free
   s.prompt_buckets = "16,64,256"    # prompts are padded to the first bucket that fits (the

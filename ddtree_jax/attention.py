@@ -31,18 +31,25 @@ def einsum_f32(spec, a, b):
 
 
 # XLA:GPU rewrites a dot whose rows are one vector, against a weight matrix of under 10M
-# elements, into a multiply that writes every product and then a reduce (its algebraic
-# simplifier's dot strength reduction; jax 0.11.2 has no flag to turn it off): the weight's bytes
-# three times and two launches per projection. With the row given twice the dot stays one GEMM
-# (WORKSPACE.md, Findings: Latent attention and DeepSeekMoE).
+# elements (per device, after partitioning), into a multiply that writes every product and then
+# a reduce (its algebraic simplifier's dot strength reduction; jax 0.11.2 has no flag to turn it
+# off): the weight's bytes three times and two launches per projection. With the row given twice
+# the dot stays one GEMM (WORKSPACE.md, Findings: Latent attention and DeepSeekMoE).
 STRENGTH_REDUCED_DOT_ELEMENTS = 10_000_000
+
+
+def tp_shards(a) -> int:
+  """The size of the `tp` axis of the mesh array a lives on (1 off a mesh): what a weight's
+  matrix is split into under the sharding rules."""
+  mesh = getattr(getattr(jax.typeof(a), "sharding", None), "mesh", None)
+  return dict(getattr(mesh, "shape", {}) or {}).get("tp", 1)
 
 
 def einsum_weight(spec, x, w, f32: bool = False):
   """einsum(spec, x, w) for activations x and a weight w (float32 accumulation and output with
   f32, as einsum_f32). When x's own output dims (its rows: the dims w lacks) hold one row and
-  each of w's matrices has fewer than STRENGTH_REDUCED_DOT_ELEMENTS elements, x is broadcast to
-  two rows and the first is kept."""
+  each of w's matrices, split over the mesh's tp axis, has fewer than
+  STRENGTH_REDUCED_DOT_ELEMENTS elements, x is broadcast to two rows and the first is kept."""
   if f32 and x.dtype != jnp.float32 and jax.default_backend() == "cpu":
     x, w = x.astype(jnp.float32), w.astype(jnp.float32)
   kind = jnp.float32 if f32 else None
@@ -51,7 +58,7 @@ def einsum_weight(spec, x, w, f32: bool = False):
   (xs, ws), out = spec.split("->")[0].split(","), spec.split("->")[1]
   rows = [c for c in xs if c in out and c not in ws]
   batch = [c for c in ws if c in xs and c in out]
-  matrix = w.size // max(1, int(np.prod([w.shape[ws.index(c)] for c in batch])))
+  matrix = w.size // max(1, int(np.prod([w.shape[ws.index(c)] for c in batch]))) // tp_shards(w)
   if (not rows or any(x.shape[xs.index(c)] != 1 for c in rows)
       or matrix >= STRENGTH_REDUCED_DOT_ELEMENTS):
     return jnp.einsum(spec, x, w, preferred_element_type=kind)

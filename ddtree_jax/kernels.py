@@ -60,7 +60,7 @@ class KernelTuning:
   moe_pair_max: int = 64
   moe_pair_blocks: tuple[int, int, int] = (16, 64, 256)
   # latent attention (MLA) on the Pallas kernel (`pallas.latent_attention`; one device, power-of-
-  # two latent and RoPE widths) rather than XLA's form: off, being 1.5-5x slower on the H200 and
+  # two latent and RoPE widths) rather than XLA's form: off, being 1.5-5.1x slower on the H200 and
   # unable to launch at 64+ heads with one token (WORKSPACE.md, Findings: Latent attention and
   # DeepSeekMoE); each split of the prefix at least latent_split_rows rows, at most
   # latent_max_splits splits

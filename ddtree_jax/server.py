@@ -126,10 +126,10 @@ def make_app(engine: slots_lib.SlotEngine, tokenizer, model_name: str,
       raise BadRequest("prompt", "this model has no tokenizer: send token ids")
     return tokenizer.encode(text).ids
 
-  known = 0 if tokenizer is None else tokenizer.get_vocab_size(with_added_tokens=True)
-
   def decode(ids: list[int]) -> str:  # ids the tokenizer does not know (a random target's) add ""
-    return tokenizer.decode([i for i in ids if i < known]) if known else ""
+    if tokenizer is None:
+      return ""
+    return tokenizer.decode([i for i in ids if tokenizer.id_to_token(i) is not None])
 
   async def parse(request: fastapi.Request) -> dict[str, Any]:
     try:

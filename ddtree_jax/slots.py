@@ -1,6 +1,6 @@
 """Continuous batching over fixed decode slots (the JAX serving pattern): prefill a request alone
 (its prompt padded to a length bucket) -> insert it into a free slot -> generate up to K steps for
-all slots on device -> stream each slot's new tokens -> evict finished slots -> admit the next.
+all slots on device -> stream each slot's new tokens -> free finished slots -> admit the next.
 
 The device programs are in `slot_programs.py`: one prefill per bucket, one insert, one chunk,
 whatever the request mix. A free slot is a finished ("done") row, which the step skips. Each
@@ -13,10 +13,11 @@ max_tokens or one of its first `max_stop_ids` stop ids; the host cuts each reque
 ids and its max_tokens (tokens a slot computes past its end are dropped).
 
 Chunk length by load: while requests come one at a time (`_alone`), a chunk runs up to
-`max_chunk_steps` steps (it ends when the request does) and the next one is dispatched before
-the host reads the last one's tokens (`pipeline`), so the device decodes while the host streams;
-any other mix runs chunks of `chunk_steps`, each read before the next admission, as a longer or
-pipelined chunk would keep finished slots idle while waiting requests wait longer; after a chunk
+`max_chunk_steps` steps (it ends when the request does); with `pipeline` the next one is then
+dispatched before the host reads the last one's tokens (off by default: on a GPU a chunk's
+dispatch returns when its while loop ends, so nothing overlaps and the last chunk's tokens wait
+a chunk). Any other mix runs chunks of `chunk_steps`, each read before the next admission, as a
+longer or pipelined chunk would keep finished slots idle while waiting requests wait longer; after a chunk
 that ended requests, while slots are free, the engine waits up to `refill_wait` of its time for
 new ones (clients that send the next request on an answer). A chunk's tokens go only to the
 requests that held its slots when it was dispatched and still do.
@@ -56,9 +57,9 @@ class SlotConfig:
   capacity: int = 1024
   chunk_steps: int = 8
   max_chunk_steps: int = 32
-  pipeline: bool = True
+  pipeline: bool = False
   refill_wait: float = 0.1
-  prompt_buckets: tuple[int, ...] = (64, 256, 1024)
+  prompt_buckets: tuple[int, ...] = (16, 64, 256)
   max_queue: int = 256
   attention: str | None = None
   sampling: bool = True
@@ -360,10 +361,10 @@ class SlotEngine:
     if reason is None and req.sent + len(keep) >= req.max_tokens:
       reason = "length"
     req.sent += len(keep)
-    self.stats["tokens"] += len(keep)
     if req.cancelled:
       reason = "cancelled"
     else:
+      self.stats["tokens"] += len(keep)
       req.emit(keep, reason)
     if reason is not None:
       self._set_slot(req.slot, None)

@@ -24,6 +24,11 @@ def test_bad_settings_name_the_field(kw, field):
     slots.SlotConfig(**kw)
 
 
+def test_the_default_settings_are_valid():
+  c = slots.SlotConfig()
+  assert c.prompt_buckets[-1] < c.capacity and not c.pipeline
+
+
 def test_a_chunk_row_reads_back_as_its_fields():
   """`Chunk.of` reads the chunk program's row layout: start, end, steps, max_steps acceptance
   counts, then the window of new tokens (only end - start of them are the slot's)."""

@@ -147,8 +147,7 @@ def pair_matmul(lhs, rhs, groups, *, rows_per_lhs: int = 1, block_m: int = 16,
   lhs[p // rows_per_lhs] @ rhs[groups[p]] (swiglu as grouped_matmul); a pair whose group is E
   (held elsewhere) is not computed and its row is undefined. For steps of few pairs (a decode
   step), where every tile of grouped_matmul holds one row anyway."""
-  need = -(-groups.shape[0] // max(rows_per_lhs, 1))  # lhs rows the pairs read
-  if groups.ndim != 1 or rows_per_lhs < 1 or need > lhs.shape[0]:
+  if groups.ndim != 1 or rows_per_lhs < 1 or -(-groups.shape[0] // rows_per_lhs) > lhs.shape[0]:
     raise ValueError(f"pair_matmul: groups {groups.shape} with rows_per_lhs={rows_per_lhs} do "
                      f"not fit lhs {lhs.shape}")
   here = (groups < rhs.shape[0]).astype(jnp.int32)

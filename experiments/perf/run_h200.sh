@@ -72,7 +72,7 @@ case $what in
       --loop_runs="1:ar,16" --steps=8 --repeats=3 --json_out="$out/moe_loop.jsonl" \
       >"$out/moe_loop.log" 2>&1
     ;;
-  kimi)  # ~250 s: the Kimi-K2 slice (its first 4 layers, 107 GB, so JAX may take 95 % of the
+  kimi)  # ~250 s: the Kimi-K2 slice (its first 4 layers, 108 GB, so JAX may take 95 % of the
          # GPU) cut to 4 and 2 layers: forwards of T tokens, the per-layer cost by difference
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout 280 $py -m experiments.perf.bench_moe \
       --shape=kimi-k2-slice --sections=verify --verify_layers=4,2 --verify_tokens=1,9,17,33,65 \

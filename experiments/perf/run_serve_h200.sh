@@ -12,7 +12,7 @@
 #     tokenizer): AR, DDTree B=16 and B=64 with 1 slot, AR and B=16 with 4 slots (capacity 512);
 #     and four of the bundled pair (float32): AR, chain, B=16, B=64 with $SLOTS slots.
 # (c) the 8B servers over HTTP (experiments/http_bench.py, 64 streaming tokens per request):
-#     concurrency 1 (8 requests) on every one, 4 (16 requests) on the 4-slot ones; then stops
+#     concurrency 1 (8 requests) on every one, 4 (8 requests) on the 4-slot ones; then stops
 #     them and runs in-process `generate` (batch 1, the same prompt ids, capacity 512) for AR,
 #     B=16, B=64: the "HTTP within 5 % of in-process at concurrency 1" check.
 # (d) the bundled servers at concurrency 1, 4, 16, 32 (32 requests per level); then in-process
