@@ -22,12 +22,17 @@ import numpy as np
 NEG_INF = -1e30  # finite, so fully masked rows never produce NaN
 
 
-def einsum_f32(spec, a, b):
-  """einsum accumulating and returning float32. XLA:CPU lacks bf16 x bf16 -> f32 dots, so there
-  the inputs are upcast; on GPU the low-precision operands go straight to the matmul."""
+def _f32_operands(a, b):
+  """XLA:CPU lacks bf16 x bf16 -> f32 dots, so there the inputs are upcast; on GPU the
+  low-precision operands go straight to the matmul."""
   if a.dtype != jnp.float32 and jax.default_backend() == "cpu":
-    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-  return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+    return a.astype(jnp.float32), b.astype(jnp.float32)
+  return a, b
+
+
+def einsum_f32(spec, a, b):
+  """einsum accumulating and returning float32 (operands as `_f32_operands`)."""
+  return jnp.einsum(spec, *_f32_operands(a, b), preferred_element_type=jnp.float32)
 
 
 # XLA:GPU rewrites a dot whose rows are one vector, against a weight matrix of under 10M
@@ -50,21 +55,20 @@ def einsum_weight(spec, x, w, f32: bool = False):
   f32, as einsum_f32). When x's own output dims (its rows: the dims w lacks) hold one row and
   each of w's matrices, split over the mesh's tp axis, has fewer than
   STRENGTH_REDUCED_DOT_ELEMENTS elements, x is broadcast to two rows and the first is kept."""
-  if f32 and x.dtype != jnp.float32 and jax.default_backend() == "cpu":
-    x, w = x.astype(jnp.float32), w.astype(jnp.float32)
-  kind = jnp.float32 if f32 else None
+  if f32:
+    x, w = _f32_operands(x, w)
+  einsum = lambda x: jnp.einsum(spec, x, w, preferred_element_type=jnp.float32 if f32 else None)
   if "..." in spec:
-    return jnp.einsum(spec, x, w, preferred_element_type=kind)
+    return einsum(x)
   (xs, ws), out = spec.split("->")[0].split(","), spec.split("->")[1]
   rows = [c for c in xs if c in out and c not in ws]
   batch = [c for c in ws if c in xs and c in out]
   matrix = w.size // max(1, int(np.prod([w.shape[ws.index(c)] for c in batch]))) // tp_shards(w)
   if (not rows or any(x.shape[xs.index(c)] != 1 for c in rows)
       or matrix >= STRENGTH_REDUCED_DOT_ELEMENTS):
-    return jnp.einsum(spec, x, w, preferred_element_type=kind)
+    return einsum(x)
   axis = xs.index(rows[0])
-  x2 = jnp.broadcast_to(x, x.shape[:axis] + (2,) + x.shape[axis + 1:])
-  y = jnp.einsum(spec, x2, w, preferred_element_type=kind)
+  y = einsum(jnp.broadcast_to(x, x.shape[:axis] + (2,) + x.shape[axis + 1:]))
   return jax.lax.slice_in_dim(y, 0, 1, axis=out.index(rows[0]))
 
 
