@@ -62,11 +62,12 @@ class KernelTuning:
   # latent attention (MLA) on the Pallas kernel (`pallas.latent_attention`; one device, power-of-
   # two latent and RoPE widths) rather than XLA's form: off, being 1.5-5.1x slower on the H200 and
   # unable to launch at 64+ heads with one token (WORKSPACE.md, Findings: Latent attention and
-  # DeepSeekMoE); each split of the prefix at least latent_split_rows rows, at most
-  # latent_max_splits splits
+  # DeepSeekMoE); the valid prefix cut into capacity // latent_split_rows splits (1 to
+  # latent_max_splits), launched as latent_launch (block_q, block_k, num_warps, num_stages)
   latent_pallas: bool = False
   latent_split_rows: int = 512
   latent_max_splits: int = 16
+  latent_launch: tuple[int, int, int, int] = (64, 64, 4, 2)
   # Pallas interpret mode; None: on a CPU backend (False lowers to Triton there, for an
   # abstract GPU: experiments/perf/compile_offline.py)
   interpret: bool | None = None
@@ -154,9 +155,11 @@ class Kernels:
         return mla.attend_latent(q, cache, prefix_len, new, new_mask, scale=scale,
                                  value_dim=value_dim, layer=layer)
       splits = max(1, min(tuning.latent_max_splits, cache.shape[-2] // tuning.latent_split_rows))
+      block_q, block_k, warps, stages = tuning.latent_launch
       return kernel.latent_attention(q, cache, prefix_len, new, new_mask, scale=scale,
                                      value_dim=value_dim, layer=layer, num_splits=splits,
-                                     interpret=tuning.interpret)
+                                     block_q=block_q, block_k=block_k, num_warps=warps,
+                                     num_stages=stages, interpret=tuning.interpret)
     return attend
 
   @functools.cached_property

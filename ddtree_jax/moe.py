@@ -25,7 +25,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from ddtree_jax.attention import random_weight
+from ddtree_jax.attention import einsum_weight, random_weight
 
 Array = jax.Array
 
@@ -61,8 +61,8 @@ def route(params: MoEParams, x, routing: Routing):
   """Router of x [R, H] in float32: the top_k experts (ties to the lower expert id) and their
   weights, renormalised over the chosen ones when norm_topk_prob, times routing.scaling.
   Returns (weights [R, k] in x's dtype, experts [R, k] int32)."""
-  logits = jnp.dot(x.astype(jnp.float32), params.router.astype(jnp.float32),
-                   precision=jax.lax.Precision.HIGHEST)
+  logits = einsum_weight("rh,he->re", x.astype(jnp.float32), params.router.astype(jnp.float32),
+                         precision=jax.lax.Precision.HIGHEST)  # (one row: a GEMM, not mul + reduce)
   if routing.scoring == "softmax":
     scores = choice = jax.nn.softmax(logits, axis=-1)
   else:

@@ -108,7 +108,7 @@ def _tree_mask(b, t, seed):
   return jnp.asarray(mask)
 
 
-@pytest.mark.parametrize("t,splits,layer", [(1, 1, None), (5, 3, 1), (9, 2, 0)])
+@pytest.mark.parametrize("t,splits,layer", [(1, 1, None), (5, 3, 1), (9, 2, 0), (1, 8, 1)])
 def test_pallas_latent_kernel_equals_reference(t, splits, layer):
   """Interpret mode: tree masks, ragged and empty prefixes, prefix splits, a layer of the
   stacked cache."""
@@ -122,6 +122,13 @@ def test_pallas_latent_kernel_equals_reference(t, splits, layer):
   got = latent_attention(q, cache, prefix, new, mask, block_q=16, block_k=16, num_splits=splits,
                          **kw)
   _close(got, mla.attend_latent(q, cache, prefix, new, mask, **kw), 1e-5)
+
+
+def test_latent_key_blocks_fit_shared_memory():
+  from ddtree_jax.pallas.latent_attention import SMEM_BYTES, fit_block_k
+  assert fit_block_k(64, 576, 2) == 64 and fit_block_k(64, 576, 3) == 32
+  assert fit_block_k(64, 4096, 4) == 16
+  assert 3 * 32 * 576 * 2 <= SMEM_BYTES < 3 * 64 * 576 * 2
 
 
 def test_pallas_latent_kernel_in_the_decode_loop_is_lossless(tmp_path):

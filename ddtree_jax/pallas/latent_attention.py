@@ -6,8 +6,10 @@ query rows of all tokens and heads, [T x N, C + R], form one multi-query block: 
 block_q of them and streams its split's slice of the sequence's valid prefix in block_k rows,
 scores = q_c . c + q_r . k_R, values = the rows' first C values, an online softmax in float32;
 split 0 also takes the T new rows under the tree mask (expanded to query rows outside). The
-splits' partial outputs and softmax statistics are merged in XLA. C and R must be powers of
-two (Triton's block shapes; `Kernels.attend_latent` uses XLA's form otherwise).
+splits' partial outputs and softmax statistics are merged in XLA. The splits cut each sequence's
+valid prefix (not the capacity) into equal block_k-aligned ranges, so every split has work; the
+layer's slice of a stacked cache is read in place. C and R must be powers of two (Triton's block
+shapes; `Kernels.attend_latent` uses XLA's form otherwise).
 """
 
 from __future__ import annotations
@@ -28,8 +30,20 @@ def pow2(n: int) -> int:
   return 1 << max(0, (n - 1).bit_length())
 
 
+# shared memory a program may ask (227 KB on an H100 / H200, less Triton's own)
+SMEM_BYTES = 200 * 1024
+
+
+def fit_block_k(block_k: int, width: int, stages: int, itemsize: int = 2) -> int:
+  """block_k halved (down to 16) until `stages` buffered key blocks of `width` values fit
+  SMEM_BYTES."""
+  while block_k > 16 and stages * block_k * width * itemsize > SMEM_BYTES:
+    block_k //= 2
+  return block_k
+
+
 def _kernel(len_ref, q_ref, cache_ref, new_ref, mask_ref, acc_ref, m_ref, l_ref, *, block_q,
-            block_k, block_t, c_dim, r_dim, rows, t_len, chunk, scale, layer):
+            block_k, block_t, c_dim, r_dim, rows, t_len, num_splits, scale, layer):
   b, qb, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   r0 = qb * block_q
   row_ok = (r0 + jnp.arange(block_q)) < rows
@@ -51,6 +65,7 @@ def _kernel(len_ref, q_ref, cache_ref, new_ref, mask_ref, acc_ref, m_ref, l_ref,
     return acc * alpha[:, None] + pv(p, kc), m_new, l * alpha + jnp.sum(p, axis=1)
 
   prefix = len_ref[b]
+  chunk = pl.cdiv(pl.cdiv(prefix, num_splits), block_k) * block_k  # this split's key range
   lo, hi = split * chunk, jnp.minimum((split + 1) * chunk, prefix)
 
   def prefix_step(i, carry):
@@ -81,12 +96,15 @@ def _kernel(len_ref, q_ref, cache_ref, new_ref, mask_ref, acc_ref, m_ref, l_ref,
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "value_dim", "layer", "block_q", "block_k",
-                                             "num_splits", "interpret"))
+                                             "num_splits", "num_warps", "num_stages",
+                                             "interpret"))
 def latent_attention(q, cache, prefix_len, new, new_mask, *, scale, value_dim, layer=None,
-                     block_q: int = 64, block_k: int = 64, num_splits: int = 1, interpret=None):
+                     block_q: int = 64, block_k: int = 64, num_splits: int = 1,
+                     num_warps: int = 4, num_stages: int = 2, interpret=None):
   """q [B, T, N, C + R], cache [B, 1, S, C + R] (or [L, B, 1, S, C + R] with `layer`),
   prefix_len [B], new [B, T, 1, C + R], new_mask [B, T, T] -> [B, T, N, C] in q's dtype, C =
-  value_dim. num_splits: the prefix cut into this many key ranges, one program each."""
+  value_dim. num_splits: each valid prefix cut into this many key ranges, one program each;
+  block_k cut to fit shared memory (fit_block_k)."""
   b, t, n, width = q.shape
   c_dim, r_dim = value_dim, width - value_dim
   if c_dim != pow2(c_dim) or r_dim != pow2(r_dim):
@@ -97,7 +115,7 @@ def latent_attention(q, cache, prefix_len, new, new_mask, *, scale, value_dim, l
   s_cap = cache.shape[-2]
   rows = t * n
   block_q = min(block_q, pow2(rows))
-  chunk = -(-s_cap // num_splits)
+  block_k = fit_block_k(block_k, width, num_stages, cache.dtype.itemsize)
   mask_rows = jnp.repeat(new_mask, n, axis=1)                     # [B, T*N, T]: row = (t, head)
   whole = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
   grid = (b, pl.cdiv(rows, block_q), num_splits)
@@ -105,15 +123,17 @@ def latent_attention(q, cache, prefix_len, new, new_mask, *, scale, value_dim, l
   args = (prefix_len.astype(jnp.int32), q.reshape(b, rows, width),
           cache.reshape(-1, s_cap, width), new.reshape(b, t, width), mask_rows)
   acc, m, l = pl.pallas_call(
-      functools.partial(_kernel, block_q=block_q, block_k=block_k, block_t=pow2(t),
-                        c_dim=c_dim, r_dim=r_dim, rows=rows, t_len=t, chunk=chunk, scale=scale,
-                        layer=layer),
+      # (the new rows' block at least 16 rows, masked: a one-row dot went through shared
+      # memory as block_q x width float32 products, 288 KB at 64 heads, and did not launch)
+      functools.partial(_kernel, block_q=block_q, block_k=block_k, block_t=max(16, pow2(t)),
+                        c_dim=c_dim, r_dim=r_dim, rows=rows, t_len=t, num_splits=num_splits,
+                        scale=scale, layer=layer),
       grid=grid, in_specs=[whole(a) for a in args],
       out_specs=[pl.BlockSpec((b, num_splits, rows) + tail, lambda *_, k=3 + len(tail): (0,) * k)
                  for tail in ((c_dim,), (), ())],
       out_shape=[jax.ShapeDtypeStruct((b, num_splits, rows) + tail, jnp.float32)
                  for tail in ((c_dim,), (), ())],
-      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret, name="latent_attention",
   )(*args)
   best = jnp.max(m, axis=1, keepdims=True)                        # merge the splits

@@ -3,9 +3,9 @@
 DeepSeek-V3-architecture attention over a latent cache (kv_lora_rank C = 512 plus the RoPE key
 R = 64 per token, one row for every head, bf16): N heads of absorbed queries [B, T, N, C + R]
 over a cached prefix plus a tree of T new rows under a random ancestor mask. For each (heads,
-prefix, T) cell: the median time per call of `pallas.latent_attention` (prefix splits by
-KernelTuning's rule) and of `mla.attend_latent` (XLA), the latent bytes a call must read, the
-bandwidth reached, the ratio to the floor at --floor_bandwidth, and the max difference of the
+prefix, T) cell: the median time per call of `mla.attend_latent` (XLA) and of
+`pallas.latent_attention` under each --pallas launch (splits and blocks as KernelTuning), the
+latent bytes a call must read, the bandwidth reached, the ratio to the floor at --floor_bandwidth, and the max difference of the
 outputs. Timing as bench_attention: n calls chained in one jitted fori_loop (harness.fori_seconds).
 
   python -m experiments.perf.bench_latent           # one H200 (~1 min)
@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from ddtree_jax import engine, mla
-from ddtree_jax.kernels import KernelTuning, Kernels
+from ddtree_jax.kernels import Kernels
 from experiments.perf import harness
 
 warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
@@ -39,10 +39,15 @@ flags.DEFINE_integer("rope", 64, "qk_rope_head_dim R")
 flags.DEFINE_float("round_ms", 10.0, "target length of one timed round")
 flags.DEFINE_integer("rounds", 5, "timed rounds (median)")
 flags.DEFINE_float("floor_bandwidth", 4.3e12, "bytes per second of the floor")
+flags.DEFINE_string("pallas", "512x16", "comma list of Pallas launches, each SPLIT_ROWSxMAX_SPLITS"
+                    "[:BLOCK_QxBLOCK_KxWARPSxSTAGES] (KernelTuning's latent_split_rows, "
+                    "latent_max_splits and latent_launch; its defaults where left out)")
 flags.DEFINE_string("json_out", "", "append each row here as a JSON line")
 FLAGS = flags.FLAGS
 
-SMOKE = dict(heads="4", prefixes="96", tokens="1,5", latent=32, rope=16, round_ms=1.0, rounds=1)
+SMOKE = dict(heads="4", prefixes="96", tokens="1,5", latent=32, rope=16, round_ms=1.0, rounds=1,
+             pallas="32x4,16x8:16x16x4x1")
+
 
 
 def main(_):
@@ -50,13 +55,15 @@ def main(_):
   a = harness.settings(FLAGS, SMOKE)
   c, r, b = a.latent, a.rope, a.batch
   scale = (128 + r) ** -0.5
-  impls = {"pallas": Kernels("pallas", tuning=KernelTuning(latent_pallas=True,
-                                                            interpret=True if a.smoke else None)).attend_latent,
-           "xla": mla.attend_latent}
+  impls = {"xla": mla.attend_latent}
+  for v in a.pallas.split(","):
+    impls[f"pallas:{v}"] = Kernels("pallas", tuning=harness.latent_tuning(
+        v, True if a.smoke else None)).attend_latent
   rng = np.random.default_rng(0)
-  print(f"devices {jax.devices()}  C {c}  R {r}  batch {b}")
-  print(f"{'N':>4} {'prefix':>6} {'T':>4} {'MB':>7} | {'pallas us':>9} {'GB/s':>6} {'x floor':>7} | "
-        f"{'xla us':>8} {'GB/s':>6} {'x floor':>7} | {'xla/pallas':>10} {'max diff':>9}", flush=True)
+  print(f"devices {jax.devices()}  C {c}  R {r}  batch {b}; pallas:SPLIT_ROWSxMAX_SPLITS"
+        f"[:BLOCK_QxBLOCK_KxWARPSxSTAGES]")
+  print(f"{'N':>4} {'prefix':>6} {'T':>4} {'MB':>7} {'impl':>28} {'us':>8} {'GB/s':>6} "
+        f"{'x floor':>7} {'xla/this':>8} {'max diff':>9}", flush=True)
   for n in harness.ints(a.heads):
     for prefix in harness.ints(a.prefixes):
       for t in harness.ints(a.tokens):
@@ -80,21 +87,19 @@ def main(_):
             outs[name] = out[..., :c].astype(jnp.float32)
           except Exception as err:  # pylint: disable=broad-except  (a failed lowering is a row)
             row[f"{name}_error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
-        if len(outs) == 2:
-          row["max_diff"] = float(jnp.abs(outs["pallas"] - outs["xla"]).max())
-        cells = []
         for name in impls:
           us = row.get(f"{name}_us")
-          cells.append(f"{us:>{9 if name == 'pallas' else 8}.1f} {nbytes / us / 1e3:>6.0f} "
-                       f"{us * 1e-6 * a.floor_bandwidth / nbytes:>7.2f}" if us else
-                       f"{'n/a':>{9 if name == 'pallas' else 8}} {'':>6} {'':>7}")
-        ratio = (f"{row['xla_us'] / row['pallas_us']:>10.2f}" if len(outs) == 2 else f"{'':>10}")
-        diff = f"{row['max_diff']:>9.1e}" if "max_diff" in row else f"{'':>9}"
-        print(f"{n:>4} {prefix:>6} {t:>4} {nbytes / 1e6:>7.2f} | {cells[0]} | {cells[1]} | "
-              f"{ratio} {diff}", flush=True)
-        for name in impls:
-          if f"{name}_error" in row:
-            print(f"  [{name}: {row[f'{name}_error']}]", flush=True)
+          if name in outs and "xla" in outs and name != "xla":
+            row[f"{name}_max_diff"] = float(jnp.abs(outs[name] - outs["xla"]).max())
+          head = f"{n:>4} {prefix:>6} {t:>4} {nbytes / 1e6:>7.2f} {name:>28}"
+          if us is None:
+            print(f"{head} {'fails':>8}  [{row[f'{name}_error']}]", flush=True)
+            continue
+          ratio = f"{row['xla_us'] / us:>8.2f}" if "xla_us" in row else f"{'':>8}"
+          diff = row.get(f"{name}_max_diff")
+          print(f"{head} {us:>8.1f} {nbytes / us / 1e3:>6.0f} "
+                f"{us * 1e-6 * a.floor_bandwidth / nbytes:>7.2f} {ratio} "
+                f"{'' if diff is None else f'{diff:.1e}':>9}", flush=True)
         if a.json_out:
           with open(a.json_out, "a") as f:
             f.write(json.dumps(row) + "\n")

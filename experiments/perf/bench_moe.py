@@ -43,8 +43,9 @@ from ddtree_jax.kernels import KernelTuning, Kernels
 from experiments.perf import harness
 
 flags.DEFINE_bool("small", False, "tiny shapes (CPU smoke run)")
-flags.DEFINE_bool("latent_pallas", False, "latent attention on the Pallas kernel "
-                  "(KernelTuning.latent_pallas; MLA shapes only)")
+flags.DEFINE_string("latent", "xla", "MLA shapes' latent attention: xla, or the Pallas kernel "
+                    "at a launch SPLIT_ROWSxMAX_SPLITS[:BLOCK_QxBLOCK_KxWARPSxSTAGES] "
+                    "(harness.latent_tuning)")
 flags.DEFINE_string("shape", "qwen3-30b-a3b", "target shape: qwen3-30b-a3b, moonlight-16b-a3b or "
                     "kimi-k2-slice (DeepSeek-V3 architecture: latent attention, shared experts)")
 flags.DEFINE_string("sections", "copy,experts,verify,loop", "comma list of: copy, experts, "
@@ -75,7 +76,7 @@ ROWS = []
 
 
 def emit(row):
-  row.update(tp=FLAGS.mesh_tp, ep=FLAGS.mesh_ep, layout=FLAGS.mesh_layout)
+  row.update(tp=FLAGS.mesh_tp, ep=FLAGS.mesh_ep, layout=FLAGS.mesh_layout, latent=FLAGS.latent)
   ROWS.append(row)
   print(json.dumps(row), flush=True)
   if FLAGS.json_out:
@@ -137,7 +138,7 @@ def main(_):
   dp, dcfg = (harness.random_drafter(tcfg, jax.random.key(1), small) if "loop" in sections
               else (None, None))
   dp = sharding.shard_params(dp, mesh, rules)
-  kern = Kernels("pallas", mesh, rules, tuning=KernelTuning(latent_pallas=FLAGS.latent_pallas))
+  kern = Kernels("pallas", mesh, rules, tuning=harness.latent_tuning(FLAGS.latent))
   # expert counts: on a GPU the Pallas experts (XLA's ragged_dot autotunes on copies of a layer's
   # weights, more than a Kimi-K2 layer leaves free); on a CPU XLA's (Pallas would be interpreted)
   on_gpu = jax.default_backend() == "gpu"

@@ -59,6 +59,25 @@ def tuning_overrides(tree_attention: str = "", qkv_splits: int = -1,
   return KernelTuning(**kw)
 
 
+def latent_tuning(text: str, interpret=None) -> KernelTuning:
+  """'xla' (or '') -> XLA's latent attention; 'SPLIT_ROWSxMAX_SPLITS[:BLOCK_QxBLOCK_KxWARPSx
+  STAGES]' (e.g. '128x64' or '128x64:64x32x8x2') -> the Pallas latent kernel at that launch
+  (KernelTuning's latent_split_rows, latent_max_splits, latent_launch). Raises ValueError."""
+  if text in ("", "xla"):
+    return KernelTuning(interpret=interpret)
+  splits, _, launch = text.partition(":")
+  try:
+    rows, max_splits = ints(splits.replace("x", ","))
+    kw = {"latent_launch": tuple(ints(launch.replace("x", ",")))} if launch else {}
+    if len(kw.get("latent_launch", (0,) * 4)) != 4:
+      raise ValueError
+  except ValueError:
+    raise ValueError(f"a latent launch is SPLIT_ROWSxMAX_SPLITS[:BLOCK_QxBLOCK_KxWARPSxSTAGES], "
+                     f"got {text!r}") from None
+  return KernelTuning(latent_pallas=True, latent_split_rows=rows, latent_max_splits=max_splits,
+                      interpret=interpret, **kw)
+
+
 # --------------------------------------------------------------------------------------------
 # Models
 

@@ -21,6 +21,7 @@
 #   experiments/perf/run_h200.sh moe OUT      # Qwen3-30B-A3B shape: the HF reference, then bench_moe
 #   experiments/perf/run_h200.sh mla OUT      # Moonlight-16B-A3B (MLA) and the latent kernel
 #   experiments/perf/run_h200.sh mla8k OUT    # Moonlight AR and B=16 at an 8K prefix
+#   experiments/perf/run_h200.sh latent OUT   # Pallas latent launches vs XLA; Moonlight loop on each
 #   experiments/perf/run_h200.sh moe_loop OUT # Qwen3-30B-A3B AR and B=16 loop steps
 #   experiments/perf/run_h200.sh kimi OUT     # the Kimi-K2 slice's forwards at 4 and 2 layers
 #   experiments/perf/run_h200.sh moe_pairs OUT  # MoE layers at decode rows: pair kernels vs sorted
@@ -61,6 +62,31 @@ case $what in
       --attention=pallas --steps=16 --top=45 >"$out/mla_profile.log" 2>&1
     timeout 80 $py -m experiments.perf.bench_latent --heads=16,64,128 --prefixes=4096,32768 \
       --tokens=1,17 --json_out="$out/latent.jsonl" >"$out/latent.log" 2>&1
+    ;;
+  latent)  # ~500 s: the Pallas latent kernel at several launches (LAUNCHES, harness.latent_tuning)
+           # vs XLA's form at 16 and 128 heads, 1K-32K prefixes; then the Moonlight AR and B=16
+           # loop on XLA's form and on the launch fastest at 16 heads and 1K + 8K prefixes
+    launches=${LAUNCHES:-512x16,128x64,64x128,128x64:16x64x4x2,128x64:64x32x8x2,256x32:32x64x4x3}
+    timeout 230 $py -m experiments.perf.bench_latent --heads=16,128 --prefixes=1024,8192,32768 \
+      --tokens=1,17 --rounds=3 --pallas="$launches" --json_out="$out/latent_sweep.jsonl" \
+      >"$out/latent_sweep.log" 2>&1
+    best=$($py - "$out/latent_sweep.jsonl" <<'EOF'
+import collections, json, sys
+total = collections.Counter()
+for row in map(json.loads, open(sys.argv[1])):
+  if row["heads"] == 16 and row["prefix"] <= 8192:
+    for k, v in row.items():
+      if k.startswith("pallas:") and k.endswith("_us"):
+        total[k[len("pallas:"):-3]] += v
+print(min(total, key=total.get) if total else "512x16")
+EOF
+)
+    echo "fastest launch at 16 heads: $best" >>"$out/latent_sweep.log"
+    for latent in xla "$best"; do
+      timeout 150 $py -m experiments.perf.bench_moe --shape=moonlight-16b-a3b --compile_threads=8 \
+        --sections=loop --loop_runs="1:ar,16" --steps=8 --repeats=3 --latent="$latent" \
+        --json_out="$out/mla_loop.jsonl" >>"$out/mla_loop.log" 2>&1
+    done
     ;;
   mla8k)  # ~120 s: the Moonlight shape's AR and B=16 loop at an 8K prefix
     timeout 160 $py -m experiments.perf.bench_moe --shape=moonlight-16b-a3b --compile_threads=8 \
@@ -185,7 +211,7 @@ case $what in
       --config.out_dir="$out/m8b" >"$out/m8b.log" 2>&1
     tar -C "$out" -czf "$out/m8b.tgz" m8b 2>/dev/null && rm -r "$out/m8b"
     ;;
-  *) echo "usage: $0 compile|step|step8|spec|quick|goals|results|int8|profile|profile_tp|kernel|sweep|gemm|tp|matrix|temperature|m8b|moe|moe_pairs|moe_loop|mla|mla8k|kimi OUT" >&2
+  *) echo "usage: $0 compile|step|step8|spec|quick|goals|results|int8|profile|profile_tp|kernel|sweep|gemm|tp|matrix|temperature|m8b|moe|moe_pairs|moe_loop|mla|mla8k|latent|kimi OUT" >&2
      exit 2 ;;
 esac
 ls -la "$out"
