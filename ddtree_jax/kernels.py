@@ -60,14 +60,18 @@ class KernelTuning:
   moe_pair_max: int = 64
   moe_pair_blocks: tuple[int, int, int] = (16, 64, 256)
   # latent attention (MLA) on the Pallas kernel (`pallas.latent_attention`; one device, power-of-
-  # two latent and RoPE widths) rather than XLA's form: off, being 1.5-5.1x slower on the H200 and
-  # unable to launch at 64+ heads with one token (WORKSPACE.md, Findings: Latent attention and
-  # DeepSeekMoE); the valid prefix cut into capacity // latent_split_rows splits (1 to
-  # latent_max_splits), launched as latent_launch (block_q, block_k, num_warps, num_stages)
-  latent_pallas: bool = False
-  latent_split_rows: int = 512
-  latent_max_splits: int = 16
-  latent_launch: tuple[int, int, int, int] = (64, 64, 4, 2)
+  # two latent and RoPE widths) where it measured faster than XLA's form on the H200: one token
+  # (any prefix, 16 and 128 heads), or up to latent_tree_rows query rows (tokens x heads) over a
+  # cache of up to latent_tree_capacity rows; XLA's form elsewhere (WORKSPACE.md, Findings:
+  # Latent attention and DeepSeekMoE). The valid prefix is cut into capacity //
+  # latent_split_rows splits (1 to latent_max_splits), launched as latent_launch (block_q,
+  # block_k, num_warps, num_stages). latent_pallas False: XLA's form always
+  latent_pallas: bool = True
+  latent_tree_rows: int = 512
+  latent_tree_capacity: int = 2048
+  latent_split_rows: int = 128
+  latent_max_splits: int = 64
+  latent_launch: tuple[int, int, int, int] = (16, 64, 4, 2)
   # Pallas interpret mode; None: on a CPU backend (False lowers to Triton there, for an
   # abstract GPU: experiments/perf/compile_offline.py)
   interpret: bool | None = None
@@ -82,6 +86,12 @@ class KernelTuning:
     if self.qkv_splits < 0 or self.residual_warps < 1 or self.residual_min_depth < 1:
       raise ValueError(f"KernelTuning: qkv_splits >= 0, residual_warps >= 1 and "
                        f"residual_min_depth >= 1 needed, got {self}")
+
+  def use_latent_pallas(self, tokens: int, heads: int, capacity: int) -> bool:
+    """Whether latent attention of `tokens` new rows x `heads` over a cache of `capacity` rows
+    runs on the Pallas kernel (one device)."""
+    return self.latent_pallas and (tokens == 1 or (tokens * heads <= self.latent_tree_rows and
+                                                   capacity <= self.latent_tree_capacity))
 
   def device_sm_count(self) -> int:
     """The SM count the attention's split rule fills."""
@@ -142,7 +152,7 @@ class Kernels:
     """q [B, T, N, C + R], latent cache, prefix_len, new rows, new_mask, *, scale, value_dim,
     layer -> [B, T, N, value_dim] (`mla.attend_latent`'s contract). XLA's form (on a mesh GSPMD
     splits the heads, the latent replicated), or with tuning.latent_pallas on one device the
-    Pallas kernel where the widths allow it."""
+    Pallas kernel where the widths allow it and tuning.use_latent_pallas says."""
     from ddtree_jax import mla  # pylint: disable=import-outside-toplevel
     if self.attention != "pallas" or self.mesh is not None or not self.tuning.latent_pallas:
       return mla.attend_latent
@@ -151,7 +161,8 @@ class Kernels:
 
     def attend(q, cache, prefix_len, new, new_mask, *, scale, value_dim, layer=None):
       c, r = value_dim, q.shape[-1] - value_dim
-      if c != kernel.pow2(c) or r != kernel.pow2(r) or min(c, r) < 16:
+      if (c != kernel.pow2(c) or r != kernel.pow2(r) or min(c, r) < 16
+          or not tuning.use_latent_pallas(q.shape[1], q.shape[2], cache.shape[-2])):
         return mla.attend_latent(q, cache, prefix_len, new, new_mask, scale=scale,
                                  value_dim=value_dim, layer=layer)
       splits = max(1, min(tuning.latent_max_splits, cache.shape[-2] // tuning.latent_split_rows))

@@ -131,6 +131,14 @@ def test_latent_key_blocks_fit_shared_memory():
   assert 3 * 32 * 576 * 2 <= SMEM_BYTES < 3 * 64 * 576 * 2
 
 
+def test_latent_kernel_rule():
+  """Pallas for one token at any cache, for trees of <= 512 query rows over <= 2048 rows."""
+  t = kernels.KernelTuning()
+  assert t.use_latent_pallas(1, 128, 1 << 15) and t.use_latent_pallas(17, 16, 1057)
+  assert not t.use_latent_pallas(17, 16, 8256) and not t.use_latent_pallas(17, 128, 1057)
+  assert not kernels.KernelTuning(latent_pallas=False).use_latent_pallas(1, 16, 1024)
+
+
 def test_pallas_latent_kernel_in_the_decode_loop_is_lossless(tmp_path):
   """A DeepSeek-V3-style target with kernel-sized widths (latent 32, RoPE 16): DDTree on the
   Pallas latent kernel (and the grouped experts) gives AR's tokens."""

@@ -43,9 +43,9 @@ from ddtree_jax.kernels import KernelTuning, Kernels
 from experiments.perf import harness
 
 flags.DEFINE_bool("small", False, "tiny shapes (CPU smoke run)")
-flags.DEFINE_string("latent", "xla", "MLA shapes' latent attention: xla, or the Pallas kernel "
-                    "at a launch SPLIT_ROWSxMAX_SPLITS[:BLOCK_QxBLOCK_KxWARPSxSTAGES] "
-                    "(harness.latent_tuning)")
+flags.DEFINE_string("latent", "default", "MLA shapes' latent attention: default (KernelTuning's "
+                    "rule), xla, or the Pallas kernel wherever it runs at a launch SPLIT_ROWSx"
+                    "MAX_SPLITS[:BLOCK_QxBLOCK_KxWARPSxSTAGES] (harness.latent_tuning)")
 flags.DEFINE_string("shape", "qwen3-30b-a3b", "target shape: qwen3-30b-a3b, moonlight-16b-a3b or "
                     "kimi-k2-slice (DeepSeek-V3 architecture: latent attention, shared experts)")
 flags.DEFINE_string("sections", "copy,experts,verify,loop", "comma list of: copy, experts, "

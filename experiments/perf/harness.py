@@ -60,11 +60,14 @@ def tuning_overrides(tree_attention: str = "", qkv_splits: int = -1,
 
 
 def latent_tuning(text: str, interpret=None) -> KernelTuning:
-  """'xla' (or '') -> XLA's latent attention; 'SPLIT_ROWSxMAX_SPLITS[:BLOCK_QxBLOCK_KxWARPSx
-  STAGES]' (e.g. '128x64' or '128x64:64x32x8x2') -> the Pallas latent kernel at that launch
-  (KernelTuning's latent_split_rows, latent_max_splits, latent_launch). Raises ValueError."""
-  if text in ("", "xla"):
+  """'default' -> KernelTuning's rule; 'xla' (or '') -> XLA's latent attention always;
+  'SPLIT_ROWSxMAX_SPLITS[:BLOCK_QxBLOCK_KxWARPSxSTAGES]' (e.g. '128x64' or '128x64:64x32x8x2')
+  -> the Pallas latent kernel at that launch wherever it runs (KernelTuning's latent_split_rows,
+  latent_max_splits, latent_launch). Raises ValueError."""
+  if text == "default":
     return KernelTuning(interpret=interpret)
+  if text in ("", "xla"):
+    return KernelTuning(latent_pallas=False, interpret=interpret)
   splits, _, launch = text.partition(":")
   try:
     rows, max_splits = ints(splits.replace("x", ","))
@@ -74,8 +77,9 @@ def latent_tuning(text: str, interpret=None) -> KernelTuning:
   except ValueError:
     raise ValueError(f"a latent launch is SPLIT_ROWSxMAX_SPLITS[:BLOCK_QxBLOCK_KxWARPSxSTAGES], "
                      f"got {text!r}") from None
-  return KernelTuning(latent_pallas=True, latent_split_rows=rows, latent_max_splits=max_splits,
-                      interpret=interpret, **kw)
+  return KernelTuning(latent_pallas=True, latent_tree_rows=1 << 30, latent_tree_capacity=1 << 30,
+                      latent_split_rows=rows, latent_max_splits=max_splits, interpret=interpret,
+                      **kw)
 
 
 # --------------------------------------------------------------------------------------------
