@@ -52,8 +52,8 @@ def tp_shards(a) -> int:
 
 def einsum_weight(spec, x, w, f32: bool = False, precision=None):
   """einsum(spec, x, w, precision=precision) for activations x and a weight w (float32
-  accumulation and output with f32, as einsum_f32). When x's own output dims (its rows: the dims w lacks) hold one row and
-  each of w's matrices, split over the mesh's tp axis, has fewer than
+  accumulation and output with f32, as einsum_f32). When x's own output dims (its rows: the dims
+  w lacks) hold one row and each of w's matrices, split over the mesh's tp axis, has fewer than
   STRENGTH_REDUCED_DOT_ELEMENTS elements, x is broadcast to two rows and the first is kept."""
   if f32:
     x, w = _f32_operands(x, w)

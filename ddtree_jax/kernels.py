@@ -60,12 +60,13 @@ class KernelTuning:
   moe_pair_max: int = 64
   moe_pair_blocks: tuple[int, int, int] = (16, 64, 256)
   # latent attention (MLA) on the Pallas kernel (`pallas.latent_attention`; one device, power-of-
-  # two latent and RoPE widths) where it measured faster than XLA's form on the H200: one token
-  # (any prefix, 16 and 128 heads), or up to latent_tree_rows query rows (tokens x heads) over a
-  # cache of up to latent_tree_capacity rows; XLA's form elsewhere (WORKSPACE.md, Findings:
-  # Latent attention and DeepSeekMoE). The valid prefix is cut into capacity //
-  # latent_split_rows splits (1 to latent_max_splits), launched as latent_launch (block_q,
-  # block_k, num_warps, num_stages). latent_pallas False: XLA's form always
+  # two latent and RoPE widths) for one token, or up to latent_tree_rows query rows (tokens x
+  # heads) over a cache of up to latent_tree_capacity rows; XLA's form elsewhere. Measured on the
+  # H200 at 16 heads over 1K-32K rows and 128 heads over 1K; the two limits lie between a faster
+  # point (272 rows over 1K) and slower ones (2176 rows; 8K rows) (WORKSPACE.md, Findings: Latent
+  # attention and DeepSeekMoE). The valid prefix is cut into capacity // latent_split_rows
+  # splits (1 to latent_max_splits), launched as latent_launch (block_q, block_k, num_warps,
+  # num_stages; blocks powers of two >= 16). latent_pallas False: XLA's form always
   latent_pallas: bool = True
   latent_tree_rows: int = 512
   latent_tree_capacity: int = 2048
@@ -86,6 +87,13 @@ class KernelTuning:
     if self.qkv_splits < 0 or self.residual_warps < 1 or self.residual_min_depth < 1:
       raise ValueError(f"KernelTuning: qkv_splits >= 0, residual_warps >= 1 and "
                        f"residual_min_depth >= 1 needed, got {self}")
+    block_q, block_k, warps, stages = self.latent_launch
+    if (min(self.latent_split_rows, self.latent_max_splits, warps, stages) < 1
+        or any(x < 16 or x & (x - 1) for x in (block_q, block_k))):
+      raise ValueError(f"KernelTuning: latent_split_rows, latent_max_splits, warps and stages "
+                       f">= 1 and latent blocks powers of two >= 16 needed, got split rows "
+                       f"{self.latent_split_rows}, max splits {self.latent_max_splits}, launch "
+                       f"{self.latent_launch}")
 
   def use_latent_pallas(self, tokens: int, heads: int, capacity: int) -> bool:
     """Whether latent attention of `tokens` new rows x `heads` over a cache of `capacity` rows

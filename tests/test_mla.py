@@ -150,7 +150,7 @@ def test_pallas_latent_kernel_in_the_decode_loop_is_lossless(tmp_path):
   ar = dj.generate(target, PROMPTS, max_new_tokens=16, stop_token_ids=()).tokens
   res = dj.generate(target, PROMPTS, method="ddtree", drafter=oracle_drafter(drafter, PROMPTS, ar),
                     budget=16, max_new_tokens=16, stop_token_ids=(), attention="pallas",
-                    kernel_tuning=kernels.KernelTuning(latent_pallas=True, latent_split_rows=16))
+                    kernel_tuning=kernels.KernelTuning(latent_split_rows=16))
   assert res.tokens == ar
 
 

@@ -54,6 +54,20 @@ def test_tuning_overrides_change_trees_and_verify_rows_only():
     harness.tuning_overrides(residual="4096=two")
 
 
+def test_latent_tuning_flags():
+  """bench_latent --pallas / bench_moe --latent: the default rule, XLA always, or a launch that
+  runs wherever the kernel can; bad launches are refused."""
+  assert harness.latent_tuning("default") == kernels.KernelTuning()
+  assert not harness.latent_tuning("xla").use_latent_pallas(1, 16, 1024)
+  t = harness.latent_tuning("64x128:32x16x8x3")
+  assert (t.latent_split_rows, t.latent_max_splits, t.latent_launch) == (64, 128, (32, 16, 8, 3))
+  assert t.use_latent_pallas(65, 128, 1 << 15)  # the rule's limits lifted
+  assert harness.latent_tuning("128x64").latent_launch == kernels.KernelTuning().latent_launch
+  for bad in ("128", "128x64:16x64x4", "axb", "0x64", "128x64:24x64x4x2"):
+    with pytest.raises(ValueError):
+      harness.latent_tuning(bad)
+
+
 def test_drafter_variants_and_case_rows():
   tcfg = harness.target_config(small=True)
   tp = harness.random_target(tcfg, jax.random.key(0))

@@ -7,8 +7,8 @@ block_q of them and streams its split's slice of the sequence's valid prefix in 
 scores = q_c . c + q_r . k_R, values = the rows' first C values, an online softmax in float32;
 split 0 also takes the T new rows under the tree mask (expanded to query rows outside). The
 splits' partial outputs and softmax statistics are merged in XLA. The splits cut each sequence's
-valid prefix (not the capacity) into equal block_k-aligned ranges, so every split has work; the
-layer's slice of a stacked cache is read in place. C and R must be powers of two (Triton's block
+valid prefix (not the capacity) into equal ranges rounded up to block_k rows (the last splits
+of a short prefix may be empty); the layer's slice of a stacked cache is read in place. C and R must be powers of two (Triton's block
 shapes; `Kernels.attend_latent` uses XLA's form otherwise).
 """
 
@@ -99,7 +99,7 @@ def _kernel(len_ref, q_ref, cache_ref, new_ref, mask_ref, acc_ref, m_ref, l_ref,
                                              "num_splits", "num_warps", "num_stages",
                                              "interpret"))
 def latent_attention(q, cache, prefix_len, new, new_mask, *, scale, value_dim, layer=None,
-                     block_q: int = 64, block_k: int = 64, num_splits: int = 1,
+                     block_q: int = 16, block_k: int = 64, num_splits: int = 1,
                      num_warps: int = 4, num_stages: int = 2, interpret=None):
   """q [B, T, N, C + R], cache [B, 1, S, C + R] (or [L, B, 1, S, C + R] with `layer`),
   prefix_len [B], new [B, T, 1, C + R], new_mask [B, T, T] -> [B, T, N, C] in q's dtype, C =
@@ -114,7 +114,7 @@ def latent_attention(q, cache, prefix_len, new, new_mask, *, scale, value_dim, l
     interpret = jax.default_backend() == "cpu"
   s_cap = cache.shape[-2]
   rows = t * n
-  block_q = min(block_q, pow2(rows))
+  block_q = max(16, min(block_q, pow2(rows)))  # (masked rows past `rows`: no dot under 16)
   block_k = fit_block_k(block_k, width, num_stages, cache.dtype.itemsize)
   mask_rows = jnp.repeat(new_mask, n, axis=1)                     # [B, T*N, T]: row = (t, head)
   whole = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)

@@ -5,8 +5,9 @@ R = 64 per token, one row for every head, bf16): N heads of absorbed queries [B,
 over a cached prefix plus a tree of T new rows under a random ancestor mask. For each (heads,
 prefix, T) cell: the median time per call of `mla.attend_latent` (XLA) and of
 `pallas.latent_attention` under each --pallas launch (splits and blocks as KernelTuning), the
-latent bytes a call must read, the bandwidth reached, the ratio to the floor at --floor_bandwidth, and the max difference of the
-outputs. Timing as bench_attention: n calls chained in one jitted fori_loop (harness.fori_seconds).
+latent bytes a call must read, the bandwidth reached, the ratio to the floor at
+--floor_bandwidth, and the max difference of the outputs. Timing as bench_attention: n calls
+chained in one jitted fori_loop (harness.fori_seconds).
 
   python -m experiments.perf.bench_latent           # one H200 (~1 min)
   python -m experiments.perf.bench_latent --smoke   # tiny shapes, interpret mode on CPU
@@ -39,15 +40,15 @@ flags.DEFINE_integer("rope", 64, "qk_rope_head_dim R")
 flags.DEFINE_float("round_ms", 10.0, "target length of one timed round")
 flags.DEFINE_integer("rounds", 5, "timed rounds (median)")
 flags.DEFINE_float("floor_bandwidth", 4.3e12, "bytes per second of the floor")
-flags.DEFINE_string("pallas", "512x16", "comma list of Pallas launches, each SPLIT_ROWSxMAX_SPLITS"
-                    "[:BLOCK_QxBLOCK_KxWARPSxSTAGES] (KernelTuning's latent_split_rows, "
-                    "latent_max_splits and latent_launch; its defaults where left out)")
+flags.DEFINE_string("pallas", "128x64", "comma list of Pallas launches, each SPLIT_ROWSx"
+                    "MAX_SPLITS[:BLOCK_QxBLOCK_KxWARPSxSTAGES] (KernelTuning's "
+                    "latent_split_rows, latent_max_splits and latent_launch, whose default "
+                    "fills in a missing launch), each timed wherever it runs")
 flags.DEFINE_string("json_out", "", "append each row here as a JSON line")
 FLAGS = flags.FLAGS
 
 SMOKE = dict(heads="4", prefixes="96", tokens="1,5", latent=32, rope=16, round_ms=1.0, rounds=1,
              pallas="32x4,16x8:16x16x4x1")
-
 
 
 def main(_):

@@ -52,12 +52,13 @@ case $what in
       --impls=pallas,pairs:16x64x128,pairs:16x32x128,pairs:16x128x64,pairs:16x64x256,pairs:16x32x256 \
       --json_out="$out/moe_pairs.jsonl" >"$out/moe_pairs.log" 2>&1
     ;;
-  mla)  # DeepSeek-V3 architecture, ~420 s: the Moonlight-16B-A3B shape (XLA's latent attention):
+  mla)  # DeepSeek-V3 architecture, ~420 s: the Moonlight-16B-A3B shape (latent attention by
+        # KernelTuning's rule; on 2026-12-02 at f558278 XLA's form, then the only default):
         # forwards and the decode loop (batch 1 and 8), its AR and B=16 kernels, then the latent
         # kernel vs XLA's form at 4K-32K prefixes and 16 / 64 / 128 heads
     timeout 250 $py -m experiments.perf.bench_moe --shape=moonlight-16b-a3b --compile_threads=8 \
       --sections=verify,loop --verify_tokens=1,17 --loop_runs="1:ar,8,16,32,64;8:ar,16" \
-      --steps=8 --repeats=3 --json_out="$out/mla_xla.jsonl" >"$out/mla_xla.log" 2>&1
+      --steps=8 --repeats=3 --json_out="$out/mla.jsonl" >"$out/mla.log" 2>&1
     timeout 80 $py -m experiments.perf.profile_step --shape=moonlight-16b-a3b --runs=ar,16 \
       --attention=pallas --steps=16 --top=45 >"$out/mla_profile.log" 2>&1
     timeout 80 $py -m experiments.perf.bench_latent --heads=16,64,128 --prefixes=4096,32768 \
@@ -66,7 +67,7 @@ case $what in
   latent)  # ~500 s: the Pallas latent kernel at several launches (LAUNCHES, harness.latent_tuning)
            # vs XLA's form at 16 and 128 heads, 1K-32K prefixes; then the Moonlight AR and B=16
            # loop on XLA's form and on the launch fastest at 16 heads and 1K + 8K prefixes
-    launches=${LAUNCHES:-512x16,128x64,64x128,128x64:16x64x4x2,128x64:64x32x8x2,256x32:32x64x4x3}
+    launches=${LAUNCHES:-512x16:64x64x4x2,128x64:64x64x4x2,64x128:64x64x4x2,128x64:16x64x4x2,128x64:64x32x8x2,256x32:32x64x4x3}
     timeout 230 $py -m experiments.perf.bench_latent --heads=16,128 --prefixes=1024,8192,32768 \
       --tokens=1,17 --rounds=3 --pallas="$launches" --json_out="$out/latent_sweep.jsonl" \
       >"$out/latent_sweep.log" 2>&1
@@ -78,7 +79,7 @@ for row in map(json.loads, open(sys.argv[1])):
     for k, v in row.items():
       if k.startswith("pallas:") and k.endswith("_us"):
         total[k[len("pallas:"):-3]] += v
-print(min(total, key=total.get) if total else "512x16")
+print(min(total, key=total.get) if total else "default")
 EOF
 )
     echo "fastest launch at 16 heads: $best" >>"$out/latent_sweep.log"
