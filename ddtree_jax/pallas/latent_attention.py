@@ -8,8 +8,9 @@ scores = q_c . c + q_r . k_R, values = the rows' first C values, an online softm
 split 0 also takes the T new rows under the tree mask (expanded to query rows outside). The
 splits' partial outputs and softmax statistics are merged in XLA. The splits cut each sequence's
 valid prefix (not the capacity) into equal ranges rounded up to block_k rows (the last splits
-of a short prefix may be empty); the layer's slice of a stacked cache is read in place. C and R must be powers of two (Triton's block
-shapes; `Kernels.attend_latent` uses XLA's form otherwise).
+of a short prefix may be empty); the layer's slice of a stacked cache is read in place. C and R
+must be powers of two (Triton's block shapes; `Kernels.attend_latent` uses XLA's form
+otherwise).
 """
 
 from __future__ import annotations
@@ -123,8 +124,8 @@ def latent_attention(q, cache, prefix_len, new, new_mask, *, scale, value_dim, l
   args = (prefix_len.astype(jnp.int32), q.reshape(b, rows, width),
           cache.reshape(-1, s_cap, width), new.reshape(b, t, width), mask_rows)
   acc, m, l = pl.pallas_call(
-      # (the new rows' block at least 16 rows, masked: a one-row dot went through shared
-      # memory as block_q x width float32 products, 288 KB at 64 heads, and did not launch)
+      # (the new rows' block at least 16 rows, masked: with one new row the kernel asked 288 KB
+      # of shared memory at 64 heads and did not launch; a one-row dot is no tensor-core MMA)
       functools.partial(_kernel, block_q=block_q, block_k=block_k, block_t=max(16, pow2(t)),
                         c_dim=c_dim, r_dim=r_dim, rows=rows, t_len=t, num_splits=num_splits,
                         scale=scale, layer=layer),

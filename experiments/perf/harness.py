@@ -71,9 +71,10 @@ def latent_tuning(text: str, interpret=None) -> KernelTuning:
   splits, _, launch = text.partition(":")
   try:
     rows, max_splits = ints(splits.replace("x", ","))
-    kw = {"latent_launch": tuple(ints(launch.replace("x", ",")))} if launch else {}
-    if len(kw.get("latent_launch", (0,) * 4)) != 4:
-      raise ValueError
+    kw = {}
+    if launch:
+      block_q, block_k, warps, stages = ints(launch.replace("x", ","))
+      kw["latent_launch"] = (block_q, block_k, warps, stages)
   except ValueError:
     raise ValueError(f"a latent launch is SPLIT_ROWSxMAX_SPLITS[:BLOCK_QxBLOCK_KxWARPSxSTAGES], "
                      f"got {text!r}") from None
