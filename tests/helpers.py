@@ -55,34 +55,51 @@ def write_drafter(path, target_cfg, *, num_layers=2, block_size=8, mask_token_id
   return path
 
 
+def oracle_ranks(xp, positions, rows, corruption, seed):
+  """Where the oracle ranks the true token at each drafted position (xp: jnp or np, uint32
+  hashing that both compute alike): 0 first, 1 second (a non-first sibling in a DDTree tree,
+  still close enough to enter it at budget 2), 2 nowhere near the top. positions / rows
+  broadcast to [B, L]. Returns (rank, confident): `confident` first ranks leave the runner-up far
+  behind (deep chains at small budgets), the others keep it close (bushy trees)."""
+  u32 = lambda x: xp.asarray(x).astype(xp.uint32)
+  c = lambda n: xp.asarray(n, dtype=xp.uint32)
+  h = u32(positions) * c(2654435761) + u32(rows) * c(40503) + c(seed * 7919 + 1)
+  u = ((h >> 8) % 1000).astype(xp.float32) / 1000.0
+  rank = xp.where(u < 1 - corruption, 0, xp.where(u < 1 - corruption / 2, 1, 2))
+  return rank, ((h >> 20) % 2) == 0
+
+
 @dataclasses.dataclass(frozen=True)
 class OracleConfig(DrafterConfig):
-  """Drafts the target's own greedy continuation (params = (drafter params, ref [B, R])), with
-  deterministic corruption: per drafted position the true token is ranked first (prob 1 - c),
-  second (c / 2) or nowhere near the top (c / 2). The real drafter still builds its context."""
+  """Drafts the target's own continuation (params = (drafter params, ref [B, R])) with
+  deterministic corruption (`oracle_ranks`): per drafted position the true token is ranked first
+  (prob 1 - c), second (c / 2: reached only through a non-first child) or nowhere near the top
+  (c / 2). The real drafter still builds its context; with `over_real` its own draft gives every
+  other logit (so its forward runs in the loop and shapes the rest of the tree)."""
   corruption: float = 0.3
   seed: int = 0
+  over_real: bool = False
 
   def draft(self, params, target_params, cache, bonus, kernels=None):
-    _, ref = params
+    inner, ref = params
     b, r = ref.shape
     v = self.layers.vocab_size
     pos = cache.lens[:, None] + jnp.arange(1, self.num_drafts + 1)[None]        # [B, L]
     y = jnp.take_along_axis(ref, jnp.minimum(pos, r - 1), axis=1)
-    h = (pos.astype(jnp.uint32) * jnp.uint32(2654435761)
-         + jnp.arange(b, dtype=jnp.uint32)[:, None] * jnp.uint32(40503)
-         + jnp.uint32(self.seed * 7919 + 1))
-    u = ((h >> 8) % 1000).astype(jnp.float32) / 1000.0
-    base = 0.5 * jax.random.normal(jax.random.key(self.seed), (v,))
-    logits = jnp.broadcast_to(base, (b, self.num_drafts, v))
-    onehot = lambda t: jax.nn.one_hot(t, v, dtype=jnp.float32)
+    rank, confident = oracle_ranks(jnp, pos, jnp.arange(b)[:, None], self.corruption, self.seed)
+    if self.over_real:
+      real = super().draft(inner, target_params, cache, bonus,
+                           *(() if kernels is None else (kernels,)))
+      base = real - jnp.max(real, axis=-1, keepdims=True)       # at most 0: below both picks
+    else:  # tie-free noise, well inside the 0.5 margin between the two picks
+      base = jnp.broadcast_to(0.1 * jax.random.normal(jax.random.key(self.seed), (v,)),
+                              (b, self.num_drafts, v))
     other = (y + 1) % v
-    rank0 = 8.0 * onehot(y)
-    rank1 = 8.0 * onehot(other) + 7.0 * onehot(y)
-    far = 8.0 * onehot(other) - 8.0 * onehot(y)
-    c = self.corruption
-    sel = jnp.where(u < 1 - c, 0, jnp.where(u < 1 - c / 2, 1, 2))[..., None]
-    return logits + jnp.where(sel == 0, rank0, jnp.where(sel == 1, rank1, far))
+    y_logit = jnp.where(rank == 0, 8.0, jnp.where(rank == 1, 7.5, -8.0))
+    other_logit = jnp.where(rank == 0, jnp.where(confident, 3.0, 7.5), 8.0)
+    ids = jnp.arange(v)
+    logits = jnp.where(ids == other[..., None], other_logit[..., None], base)
+    return jnp.where(ids == y[..., None], y_logit[..., None], logits)
 
   def context(self, params, taps, positions):
     return super().context(params[0], taps, positions)
@@ -91,7 +108,8 @@ class OracleConfig(DrafterConfig):
     return None  # draft's logits cover the whole vocabulary
 
 
-def oracle_drafter(drafter, ar_prompts, ar_tokens, corruption=0.3, seed=0, length=512):
+def oracle_drafter(drafter, ar_prompts, ar_tokens, corruption=0.3, seed=0, length=512,
+                   over_real=False):
   """A Drafter-like (params, config) pair whose drafts follow the AR reference sequences."""
   ref = np.zeros((len(ar_prompts), length), np.int32)
   for b, (p, o) in enumerate(zip(ar_prompts, ar_tokens)):
@@ -99,8 +117,25 @@ def oracle_drafter(drafter, ar_prompts, ar_tokens, corruption=0.3, seed=0, lengt
     ref[b, :len(seq)] = seq
   cfg = OracleConfig(**{f.name: getattr(drafter.config, f.name)
                         for f in dataclasses.fields(DrafterConfig)},
-                     corruption=corruption, seed=seed)
+                     corruption=corruption, seed=seed, over_real=over_real)
   return dataclasses.replace(drafter, params=(drafter.params, jnp.asarray(ref)), config=cfg)
+
+
+def oracle_counts(oracle, prompts, res):
+  """What a run with an oracle drafter committed, replayed from its acceptance lengths:
+  (steps that committed 3+ tokens, steps whose accepted path runs through a non-first child,
+  i.e. past a position where the true token was the drafter's second choice)."""
+  cfg = oracle.config
+  multi = branch = 0
+  for row, (prompt, lens) in enumerate(zip(prompts, res.stats["acceptance_lengths"])):
+    start = len(prompt)
+    for a in lens:
+      pos = start + np.arange(1, a)  # the accepted drafted nodes' positions
+      rank, _ = oracle_ranks(np, pos, np.full_like(pos, row), cfg.corruption, cfg.seed)
+      multi += a >= 3
+      branch += bool(np.any(rank == 1))
+      start += a
+  return multi, branch
 
 
 def cached_decode_logits(target, prompt, greedy):
@@ -229,25 +264,47 @@ def verify_triton_ir(call):
     return module.operation.get_asm()
 
 
+def assert_accepted(oracle, prompts, res, method, budget=None):
+  """An oracle run really committed drafts: some step kept 3+ tokens (2 at budget 1, the most
+  it can) and, for a tree of budget >= 2, some accepted path ran through a non-first child;
+  chain and budget-1 trees, which hold first choices only, never do (checks the replay too)."""
+  lens = [a for seq in res.stats["acceptance_lengths"] for a in seq]
+  multi, branch = oracle_counts(oracle, prompts, res)
+  if method == "ddtree" and budget == 1:
+    assert max(lens) == 2, lens
+  else:
+    assert multi > 0, lens
+  if method == "ddtree" and budget >= 2:
+    assert branch > 0, (budget, lens)
+  else:
+    assert branch == 0, (method, budget, lens)
+
+
 def assert_lossless(target, drafter, prompts, ar, method, budget, max_new_tokens, seed=0):
   """Chain / DDTree with an oracle drafter (drafts that follow `ar`, partly corrupted) give
-  exactly the AR tokens `ar`; beyond budget 1 some step accepts more than two tokens."""
+  exactly the AR tokens `ar`, committing multi-token paths and non-first children
+  (`assert_accepted`)."""
   import ddtree_jax as dj  # pylint: disable=import-outside-toplevel
   d = oracle_drafter(drafter, prompts, ar, seed=seed)
   res = dj.generate(target, prompts, method=method, drafter=d, budget=budget,
                     max_new_tokens=max_new_tokens, stop_token_ids=())
   assert res.tokens == ar
-  if budget != 1:
-    assert max(a for seq in res.stats["acceptance_lengths"] for a in seq) > 2
+  assert_accepted(d, prompts, res, method, budget)
 
 
 def assert_real_drafter_lossless(target, drafter, prompts, ar, n=12):
-  """The drafter itself on XLA (chain) and on the Pallas kernels (DDTree B=16): AR's tokens."""
+  """The drafter's own forward in the loop, on XLA (chain) and on the Pallas kernels (DDTree
+  B=16): alone (a random drafter, rarely accepted), then under the oracle's picks, which get
+  accepted: AR's tokens either way."""
   import ddtree_jax as dj  # pylint: disable=import-outside-toplevel
+  ar = [a[:n] for a in ar]
+  over = oracle_drafter(drafter, prompts, ar, over_real=True)
   for method, budget, attention in (("chain", None, "xla"), ("ddtree", 16, "pallas")):
-    res = dj.generate(target, prompts, method=method, drafter=drafter, budget=budget,
-                      max_new_tokens=n, stop_token_ids=(), attention=attention)
-    assert res.tokens == [a[:n] for a in ar], (method, attention)
+    for d in (drafter, over):
+      res = dj.generate(target, prompts, method=method, drafter=d, budget=budget,
+                        max_new_tokens=n, stop_token_ids=(), attention=attention)
+      assert res.tokens == ar, (method, attention)
+    assert_accepted(over, prompts, res, method, budget)
 
 
 def drafter_and_ar(path, target, prompts, max_new_tokens, target_layer_ids):

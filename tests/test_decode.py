@@ -6,7 +6,7 @@ import pytest
 
 import ddtree_jax as dj
 from conftest import FIXTURES
-from helpers import oracle_drafter, write_drafter
+from helpers import assert_accepted, oracle_drafter, write_drafter
 
 M = 40
 PROMPTS = [[3, 17, 99, 4, 250, 31, 8], [42], [7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 9],
@@ -33,9 +33,9 @@ def _batch(n):
   return {1: [0], 3: [0, 1, 2], 8: list(range(8))}[n]
 
 
-def _oracle(drafter, ar, idx, corruption=0.3, seed=0):
+def _oracle(drafter, ar, idx, corruption=0.3, seed=0, over_real=False):
   return oracle_drafter(drafter, [PROMPTS[i] for i in idx], [ar[i] for i in idx],
-                        corruption=corruption, seed=seed)
+                        corruption=corruption, seed=seed, over_real=over_real)
 
 
 def test_ragged_batch_equals_each_prompt_alone(target, ar):
@@ -57,12 +57,20 @@ def test_chain_is_lossless_with_full_partial_and_zero_acceptance(target, drafter
   # tau is the mean committed tokens per step, counted independently.
   steps = sum(len(s) for s in res.stats["acceptance_lengths"])
   assert res.stats["tau"] == pytest.approx((sum(len(t) for t in res.tokens) - batch) / steps)
+  assert_accepted(d, [PROMPTS[i] for i in idx], res, "chain")
 
 
-def test_chain_with_random_drafter_is_lossless(target, drafter, ar):
-  res = dj.generate(target, PROMPTS[:3], method="chain", drafter=drafter, max_new_tokens=M,
-                    stop_token_ids=())
-  assert res.tokens == ar[:3]
+@pytest.mark.parametrize("method,budget", [("chain", None), ("ddtree", 32)])
+def test_real_drafter_is_lossless_alone_and_under_the_oracle(target, drafter, ar, method, budget):
+  """The drafter's own forward in the loop: alone (rarely accepted), and giving every logit but
+  the oracle's two picks, so its drafts shape trees whose paths get accepted."""
+  idx = _batch(3)
+  prompts = [PROMPTS[i] for i in idx]
+  for d in (drafter, _oracle(drafter, ar, idx, over_real=True)):
+    res = dj.generate(target, prompts, method=method, drafter=d, budget=budget,
+                      max_new_tokens=M, stop_token_ids=())
+    assert res.tokens == ar[:3]
+  assert_accepted(d, prompts, res, method, budget)
 
 
 @pytest.mark.parametrize("budget", [1, 2, 3, 4, 7, 8, 15, 16, 31, 32, 64, 128, 256])
@@ -75,7 +83,8 @@ def test_ddtree_is_lossless(target, drafter, ar, budget, batch):
   assert res.tokens == [ar[i] for i in idx]
   lens = [a for seq in res.stats["acceptance_lengths"] for a in seq]
   assert max(lens) <= drafter.config.block_size
-  if batch == 8 and budget >= 8:
+  assert_accepted(d, [PROMPTS[i] for i in idx], res, "ddtree", budget)
+  if batch == 8 and budget >= 32:
     assert 1 in lens and drafter.config.block_size in lens, lens
 
 
@@ -89,6 +98,7 @@ def test_topk1_tree_reproduces_chain(target, drafter, ar):
                      budget=drafter.config.num_drafts, topk_cap=1, stop_token_ids=())
   assert tree.tokens == chain.tokens
   assert tree.stats["acceptance_lengths"] == chain.stats["acceptance_lengths"]
+  assert_accepted(d, prompts, chain, "chain")
 
 
 def test_budget_switching_in_one_process(target, drafter, ar):

@@ -58,43 +58,70 @@ def test_stop_token_inside_accepted_path_cuts_output(target, drafter, ar, method
     assert max(res.stats["acceptance_lengths"][0]) > 1
 
 
-def _run_with_canaries(target, d, method, budget, capacity, steps_per_check=1):
-  lens = np.array([len(p) for p in PROMPTS], np.int32)
-  tokens = np.zeros((len(PROMPTS), 16), np.int32)
-  for i, p in enumerate(PROMPTS):
+CANARY = 1234.5
+
+
+def _prefill(target, d, method, budget, prompts, capacity, steps_per_check=1):
+  """(the state right after prefill, the decode statics)."""
+  lens = np.array([len(p) for p in prompts], np.int32)
+  tokens = np.zeros((len(prompts), -(-int(lens.max()) // 16) * 16), np.int32)
+  for i, p in enumerate(prompts):
     tokens[i, :len(p)] = p
   lc = decode.LoopConfig(method=method, max_new_tokens=M,
                          num_drafts=d.config.num_drafts if d else 0, budget=budget or 0,
                          steps_per_check=steps_per_check)
   st = dict(tcfg=target.config, dcfg=d.config if d else None, lc=lc)
-  dparams = d.params if d else None
-  state = decode.prefill(target.params, dparams, jnp.asarray(tokens), jnp.asarray(lens),
-                         jax.random.key(0), capacity=capacity, **st)
-  rows = jnp.arange(capacity)[None, None, None, :, None] >= jnp.asarray(lens)[None, :, None, None, None]
-  canary = lambda c: jnp.where(rows, 1234.5, c)  # [L, B, K, S, D]
-  cache = dataclasses.replace(state.cache, k=canary(state.cache.k), v=canary(state.cache.v))
-  state = decode.decode_loop(target.params, dparams, dataclasses.replace(state, cache=cache), **st)
-  return state
+  return decode.prefill(target.params, d.params if d else None, jnp.asarray(tokens),
+                        jnp.asarray(lens), jax.random.key(0), capacity=capacity, **st), st
+
+
+def _with_canaries(cache, lens):
+  """Every row at or past each sequence's length set to CANARY ([L, B, K, S, D] arrays)."""
+  rows = jnp.arange(cache.k.shape[3])[None, None, None, :, None] >= lens[None, :, None, None, None]
+  canary = lambda c: jnp.where(rows, CANARY, c)
+  return dataclasses.replace(cache, k=canary(cache.k), v=canary(cache.v))
+
+
+def _run_with_canaries(target, d, method, budget, capacity, steps_per_check=1):
+  state, st = _prefill(target, d, method, budget, PROMPTS, capacity, steps_per_check)
+  lens = jnp.asarray([len(p) for p in PROMPTS])
+  state = dataclasses.replace(state, cache=_with_canaries(state.cache, lens))
+  if d is not None:
+    state = dataclasses.replace(state, draft_cache=_with_canaries(state.draft_cache, lens))
+  return decode.decode_loop(target.params, d.params if d else None, state, **st)
+
+
+def _assert_rows(got, want, final, what):
+  """Rows below each sequence's final length equal `want`'s; every row past it is a canary."""
+  for layer in range(got.k.shape[0]):
+    for a, b in ((got.k[layer], want.k[layer]), (got.v[layer], want.v[layer])):
+      a, b = np.asarray(a), np.asarray(b)
+      for s, n in enumerate(final):
+        assert np.all(a[s, :, n:] == CANARY), (what, layer, s)
+        np.testing.assert_allclose(a[s, :, :n], b[s, :, :n], rtol=1e-4, atol=1e-5,
+                                   err_msg=f"{what} layer {layer} sequence {s}")
 
 
 @pytest.mark.parametrize("method,budget,steps_per_check", [("chain", None, 1), ("ddtree", 128, 1),
                                                            ("ddtree", 128, 5)])
 def test_nothing_written_outside_own_rows(target, drafter, ar, method, budget, steps_per_check):
-  """Canary rows past each sequence's final length survive; committed rows equal AR's K/V. With
-  5 steps per loop check, idle steps after the last sequence is done write nothing either."""
+  """Canary rows past each sequence's final length survive in the target's and the drafter's
+  caches; the target's committed rows equal AR's K/V, and the drafter's context rows equal those
+  of one prefill over the committed tokens (each row the features of its own token, at its own
+  position, after multi-token steps). With 5 steps per loop check, idle steps after the last
+  sequence is done write nothing either."""
   capacity = 13 + M - 1 + 5  # room to spare past the longest sequence
   d = oracle_drafter(drafter, PROMPTS, ar, corruption=0.2)
   spec = _run_with_canaries(target, d, method, budget, capacity, steps_per_check)
   ref = _run_with_canaries(target, None, "ar", None, capacity)
   final = np.asarray(spec.cache.lens)
   np.testing.assert_array_equal(final, np.asarray(ref.cache.lens))
-  for layer in range(target.config.num_layers):
-    for a, b in ((spec.cache.k[layer], ref.cache.k[layer]),
-                 (spec.cache.v[layer], ref.cache.v[layer])):
-      a, b = np.asarray(a), np.asarray(b)
-      for s, n in enumerate(final):
-        assert np.all(a[s, :, n:] == 1234.5)
-        np.testing.assert_allclose(a[s, :, :n], b[s, :, :n], rtol=1e-4, atol=1e-5)
+  np.testing.assert_array_equal(np.asarray(spec.draft_cache.lens), final)
+  assert max(np.asarray(spec.accepted).max(axis=0)) > 2  # multi-token steps were committed
+  _assert_rows(spec.cache, ref.cache, final, "target")
+  committed = [p + a[:n - len(p)] for p, a, n in zip(PROMPTS, ar, final)]
+  whole, _ = _prefill(target, d, "chain", None, committed, capacity)
+  _assert_rows(spec.draft_cache, whole.draft_cache, final, "drafter")
 
 
 # ---------------------------------------------------------------- bad input

@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import ddtree_jax as dj
 from ddtree_jax import hf_export, model, sharding, training
-from helpers import PAIR_NEW_TOKENS, PAIR_PROMPTS, small_pair
+from helpers import PAIR_NEW_TOKENS, PAIR_PROMPTS, assert_accepted, oracle_drafter, small_pair
 
 M, PROMPTS = PAIR_NEW_TOKENS, PAIR_PROMPTS
 
@@ -74,10 +74,14 @@ def test_int8_drafter_drafts_near_the_float_one_and_decodes_losslessly(pair):
   assert a.shape == b.shape
   err = float(jnp.max(jnp.abs(a - b))) / float(jnp.std(a))
   assert 0 < err < 0.25, err            # W8A8, so not equal, but close on the logits' scale
+  # alone (a random drafter, rarely accepted) and giving every logit but the oracle's picks
+  over = oracle_drafter(d8, PROMPTS, ar, over_real=True)
   for method, budget in (("chain", None), ("ddtree", 16), ("ddtree", 3)):
-    res = dj.generate(target, PROMPTS, method=method, drafter=d8, budget=budget,
-                      max_new_tokens=M, stop_token_ids=())
-    assert res.tokens == ar, (method, budget)
+    for drafter in (d8, over):
+      res = dj.generate(target, PROMPTS, method=method, drafter=drafter, budget=budget,
+                        max_new_tokens=M, stop_token_ids=())
+      assert res.tokens == ar, (method, budget)
+    assert_accepted(over, PROMPTS, res, method, budget)
 
 
 def test_int8_context_kv_uses_the_stacked_weight(pair):
