@@ -13,7 +13,7 @@ import ddtree_jax as dj
 from conftest import FIXTURES
 from ddtree_jax import kernels, model
 from ddtree_jax.pallas import add_rms_norm as arn
-from helpers import (abstract_h200_mesh, oracle_drafter, triton_custom_calls, verify_triton_ir,
+from helpers import (abstract_h200_mesh, assert_accepted, oracle_drafter, triton_custom_calls, verify_triton_ir,
                      write_drafter)
 
 O_SPEC, DOWN_SPEC = "btnd,ndh->bth", "bti,ih->bth"
@@ -189,6 +189,7 @@ def test_decode_with_split_kernel_is_lossless(monkeypatch, tmp_path):
                       max_new_tokens=m, stop_token_ids=(), attention="pallas",
                       kernel_tuning=tuning)
     assert out.tokens == ar, method
+    assert_accepted(drafter, prompts, out, method, budget)
   # the B=16 verify's o and down sites (3 x 17 rows) took the kernel; the prefill (3 x 16) not
   assert {(4, 51, cfg.hidden_size), (2, 51, cfg.hidden_size)} <= set(launches)
   assert all(rows != 48 for _, rows, _ in launches)

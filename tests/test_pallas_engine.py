@@ -6,7 +6,7 @@ import pytest
 
 import ddtree_jax as dj
 from conftest import FIXTURES
-from helpers import oracle_drafter, write_drafter
+from helpers import assert_accepted, oracle_drafter, write_drafter
 
 PROMPTS = [[3, 17, 99, 4, 250, 31, 8], [42], [9, 8, 7, 6, 5]]
 M = 12
@@ -29,3 +29,5 @@ def test_pallas_engine_matches_xla(setup, method, budget):
   pallas, xla = run("pallas"), run("xla")
   assert pallas.tokens == xla.tokens == ar
   assert pallas.stats["acceptance_lengths"] == xla.stats["acceptance_lengths"]
+  if method != "ar":
+    assert_accepted(drafter, PROMPTS, pallas, method, budget)

@@ -17,7 +17,7 @@ from ddtree_jax import kernels, model, sharding, tensor_reader
 from ddtree_jax.config import ModelConfig
 from ddtree_jax.pallas import qk_norm_rope
 qk_lib = importlib.import_module("ddtree_jax.pallas.qk_norm_rope")  # the module
-from helpers import (abstract_h200_mesh, oracle_drafter, triton_custom_calls, verify_triton_ir,
+from helpers import (abstract_h200_mesh, assert_accepted, oracle_drafter, triton_custom_calls, verify_triton_ir,
                      write_drafter)
 
 
@@ -298,6 +298,7 @@ def test_fused_decode_with_forced_splits_is_lossless(monkeypatch, tmp_path):
                       max_new_tokens=m, stop_token_ids=(), attention="pallas",
                       kernel_tuning=tuning)
     assert out.tokens == ar, method
+    assert_accepted(drafter, prompts, out, method, budget)
   cfg = target.config
   heads = cfg.num_heads + 2 * cfg.num_kv_heads
   assert (4, 3, 17, heads, cfg.head_dim) in launches  # the tree verify took the split
