@@ -1,7 +1,12 @@
-"""The decode loop is one XLA program: no host transfers or callbacks per step."""
+"""The decode loop is one XLA program: no host transfers or callbacks per step. Programs compiled
+ahead of time are the ones generate runs, and a second process loads them from the persistent
+compilation cache."""
 
 import contextlib
+import json
 import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +18,28 @@ from conftest import FIXTURES
 from helpers import write_drafter
 
 HOST_OPS = ("infeed", "outfeed", "send(", "recv(", "callback", "host_compute")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# jax reports every XLA compile, also one served from the persistent cache, as this event (named
+# jax._src.dispatch.BACKEND_COMPILE_EVENT in jax 0.11); a rename would make the counts below
+# zero, so each test first checks that its own compiles are seen.
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+ENGINE_PROGRAMS = ("jit(prefill)", "jit(decode_loop)")
+
+
+@contextlib.contextmanager
+def compiled_programs():
+  """Yields the list of the names of the programs XLA compiles inside the block (counted by
+  events, not timed: a time threshold passes a fast recompile and fails a slow machine). jax's
+  in-memory caches can rebuild a program the engine dropped without an XLA compile, so the tests
+  also count the engine's own programs (engine._PROGRAMS)."""
+  names = []
+  listener = lambda event, secs, fun_name="", **kw: (
+      names.append(fun_name) if event == BACKEND_COMPILE else None)
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    yield names
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
 
 
 @contextlib.contextmanager
@@ -47,19 +74,26 @@ def test_decode_loop_has_no_host_round_trips(tmp_path, method, budget):
 
 
 def test_precompile_and_persistent_cache(tmp_path):
-  """AOT precompile of a list of budgets; generate then reuses them; the persistent cache fills."""
+  """AOT precompile of a list of budgets; generate then reuses them (compiles nothing); the
+  persistent cache fills."""
   from ddtree_jax import engine
   target = dj.load_target(os.path.join(FIXTURES, "qwen3_gqa"), dtype="float32")
   d = dj.load_drafter(write_drafter(str(tmp_path / "d"), target.config), target)
   cache_dir = str(tmp_path / "xla_cache")
   with restored_compilation_cache():
     engine.enable_compilation_cache(cache_dir)
-    secs = engine.precompile(target, batch=2, prompt_len=5, max_new_tokens=9, drafter=d,
-                             methods=("chain", "ddtree"), budgets=(3, 9), stop_token_ids=())
+    before = len(engine._PROGRAMS)  # pylint: disable=protected-access
+    with compiled_programs() as names:
+      secs = engine.precompile(target, batch=2, prompt_len=5, max_new_tokens=9, drafter=d,
+                               methods=("chain", "ddtree"), budgets=(3, 9), stop_token_ids=())
     assert set(secs) == {"chain", "ddtree/3", "ddtree/9"}
-    res = dj.generate(target, [[1, 2, 3], [4, 5, 6, 7, 8]], method="ddtree", drafter=d, budget=9,
-                      max_new_tokens=9, stop_token_ids=())
-    assert res.stats["compile_seconds"] < 0.05
+    assert [n for n in names if n in ENGINE_PROGRAMS] == list(ENGINE_PROGRAMS) * 3
+    assert len(engine._PROGRAMS) == before + 3  # pylint: disable=protected-access
+    with compiled_programs() as names:
+      res = dj.generate(target, [[1, 2, 3], [4, 5, 6, 7, 8]], method="ddtree", drafter=d,
+                        budget=9, max_new_tokens=9, stop_token_ids=())
+    assert names == [] and len(engine._PROGRAMS) == before + 3  # pylint: disable=protected-access
+    assert len(res.tokens[1]) == 9
     assert os.listdir(cache_dir)
 
 
@@ -83,12 +117,19 @@ def test_compile_many_in_threads_then_generate_reuses(tmp_path):
   kws = [dict(method="ar", max_new_tokens=7, stop_token_ids=()),
          dict(method="chain", drafter=d, max_new_tokens=7, stop_token_ids=()),
          dict(method="ddtree", drafter=d, budget=5, max_new_tokens=7, stop_token_ids=())]
-  secs = dj.compile_many(target, [(prompts, kw) for kw in kws], threads=2)
-  assert len(secs) == 3 and all(s > 0 for s in secs)
-  outs = [dj.generate(target, prompts, **kw) for kw in kws]
-  assert all(o.stats["compile_seconds"] < 0.05 for o in outs)
+  from ddtree_jax import engine
+  before = len(engine._PROGRAMS)  # pylint: disable=protected-access
+  with compiled_programs() as names:
+    secs = dj.compile_many(target, [(prompts, kw) for kw in kws], threads=2)
+  assert len(secs) == 3
+  assert sorted(n for n in names if n in ENGINE_PROGRAMS) == sorted(ENGINE_PROGRAMS * 3)
+  assert len(engine._PROGRAMS) == before + 3  # pylint: disable=protected-access
+  with compiled_programs() as names:
+    outs = [dj.generate(target, prompts, **kw) for kw in kws]
+    dj.compile_only(target, prompts, **kws[2])  # cached: nothing to compile
+  assert names == [] and len(engine._PROGRAMS) == before + 3  # pylint: disable=protected-access
   assert outs[1].tokens == outs[0].tokens == outs[2].tokens
-  assert dj.compile_only(target, prompts, **kws[2]) < 0.05  # cached: nothing to compile
+  assert [len(t) for t in outs[0].tokens] == [7, 7]
 
 
 def test_stage_programs_compile_ahead_and_time(tmp_path):
@@ -103,11 +144,56 @@ def test_stage_programs_compile_ahead_and_time(tmp_path):
           jax.random.key(0))
   shape = jax.eval_shape(lambda *a: decode.prefill(*a, capacity=64, **st), *args)
   secs = {}
-  progs = profiling.compile_stages(target.params, target.config, d.params, d.config, lc, shape,
-                                   seconds=secs)
+  with compiled_programs() as names:
+    progs = profiling.compile_stages(target.params, target.config, d.params, d.config, lc, shape,
+                                     seconds=secs)
   assert set(progs) == set(secs) == {"draft", "tree", "verify", "accept_commit"}
+  assert names.count("jit(<lambda>)") == 4  # one compile per stage
   assert all(s > 0 for s in secs.values())
   state = decode.prefill(*args, capacity=64, **st)
-  out = profiling.stage_seconds(target.params, target.config, d.params, d.config, lc, state,
-                                repeats=2, programs=progs)
+  with compiled_programs() as names:
+    out = profiling.stage_seconds(target.params, target.config, d.params, d.config, lc, state,
+                                  repeats=2, programs=progs)
+  assert names == []  # it ran the programs it was given
   assert set(out) == set(progs) and all(v > 0 for v in out.values())
+
+
+# Run twice with one cache directory: each program's persistent-cache outcome, in compile order
+# (the cache's hit / miss event comes inside the compile event it belongs to).
+_CACHED_GENERATE = """
+import json, sys
+import jax
+import ddtree_jax as dj
+from ddtree_jax import engine
+engine.enable_compilation_cache(sys.argv[2])
+seen, programs = [], []
+def on_event(event, **kw):
+  if event in ("/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_misses"):
+    seen.append(event.rsplit("_", 1)[1])
+def on_duration(event, secs, fun_name="", **kw):
+  if event == "%s":
+    programs.append([fun_name] + seen)
+    seen.clear()
+jax.monitoring.register_event_listener(on_event)
+jax.monitoring.register_event_duration_secs_listener(on_duration)
+target = dj.load_target(sys.argv[1], dtype="float32")
+res = dj.generate(target, [[1, 2, 3], [4, 5]], max_new_tokens=4, stop_token_ids=())
+print(json.dumps({"tokens": res.tokens, "programs": programs}))
+""" % BACKEND_COMPILE
+
+
+def test_a_second_process_loads_generate_from_the_persistent_cache(tmp_path):
+  """A fresh process with the same cache directory compiles nothing: prefill and the decode loop
+  come from the cache that the first process wrote, and give the same tokens. Both processes
+  get this one's environment (its XLA_FLAGS are part of the cache key)."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  run = lambda: json.loads(subprocess.run(
+      [sys.executable, "-c", _CACHED_GENERATE, os.path.join(FIXTURES, "qwen3_gqa"),
+       str(tmp_path / "xla_cache")], cwd=REPO, env=env, capture_output=True, text=True,
+      timeout=300, check=True).stdout.strip().splitlines()[-1])
+  first, second = run(), run()
+  outcome = lambda r: {p[0]: p[1:] for p in r["programs"] if p[0] in ENGINE_PROGRAMS}
+  assert outcome(first) == {p: ["misses"] for p in ENGINE_PROGRAMS}  # compiled, then written
+  assert outcome(second) == {p: ["hits"] for p in ENGINE_PROGRAMS}
+  assert not [p for p in second["programs"] if "misses" in p]  # nothing else compiled either
+  assert second["tokens"] == first["tokens"] and [len(t) for t in first["tokens"]] == [4, 4]

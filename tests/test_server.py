@@ -10,6 +10,7 @@ import json
 import os
 import random
 import socket
+import statistics
 import threading
 import time
 
@@ -76,6 +77,14 @@ def _client(url):
   return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
 
 
+def _assert_acceptance_covers(acc, tokens, block_size):
+  """A request's acceptance lengths: the prefill gives the first token and each step commits
+  1..block_size more; its last step was needed and may commit past max_tokens (the server's
+  decode is not cut at a request's max_tokens; the extra tokens are dropped)."""
+  assert acc and all(1 <= a <= block_size for a in acc), acc
+  assert sum(acc[:-1]) + 1 < tokens <= sum(acc) + 1, acc
+
+
 def test_completions_and_chat_with_the_openai_client(live):
   url, _, target, drafter = live
   client = _client(url)
@@ -88,7 +97,7 @@ def test_completions_and_chat_with_the_openai_client(live):
   assert res.choices[0].text == want and res.choices[0].finish_reason == "length"
   assert res.usage.prompt_tokens == len(ids) and res.usage.completion_tokens == MAX_TOKENS
   acc = res.model_extra["ddtree"]["acceptance_lengths"]
-  assert acc and sum(acc) + 1 >= MAX_TOKENS  # the first token comes from the prefill
+  _assert_acceptance_covers(acc, MAX_TOKENS, drafter.config.block_size)
   streamed = list(client.completions.create(model="ddtree-default", prompt=prompt,
                                             max_tokens=MAX_TOKENS, stream=True))
   assert "".join(c.choices[0].text for c in streamed) == want
@@ -237,21 +246,45 @@ def test_load_of_concurrent_requests_each_equals_offline(live):
     assert text == target.tokenizer.decode(want[:n])
 
 
-def test_the_http_harness_measures_the_server(live, tmp_path):
+def test_the_http_harness_measures_the_server(live, tmp_path, monkeypatch):
   """The benchmark over HTTP and the coding check take an endpoint: the same code would measure
-  SGLang or vLLM."""
+  SGLang or vLLM. The benchmark's rows agree with the requests it measured."""
   from experiments import coding_eval, http_bench, workflow  # pylint: disable=import-outside-toplevel
-  url = live[0]
+  url, _, _, drafter = live
   cfg = workflow.load_config("configs/default.py", {
       "endpoint": url, "concurrency": "1,4", "requests_per_level": 4, "max_new_tokens": 12,
       "out_dir": str(tmp_path), "coding.problems": "gcd,fib", "coding.max_new_tokens": 24})
+  measured = []  # each request as the harness measured it, in order of completion
+  one = http_bench._one  # pylint: disable=protected-access
+  monkeypatch.setattr(http_bench, "_one", lambda *a, **kw: measured.append(one(*a, **kw))
+                      or measured[-1])
+  t0 = time.perf_counter()
   rows = http_bench.run(cfg)["rows"]
-  assert [r["concurrency"] for r in rows] == [1, 4]
-  assert all(r["tokens_per_second"] > 0 and r["ttft_p50_ms"] > 0 and r["tpot_ms"] > 0
-             and r["acceptance_length"] >= 1 for r in rows)
+  wall = time.perf_counter() - t0
+  assert [(r["concurrency"], r["requests"]) for r in rows] == [(1, 4), (4, 4)]
+  assert len(measured) == 8
+  for row, reqs in zip(rows, (measured[:4], measured[4:])):  # level 1 ends before level 4
+    # no stop ids or strings: the server's usage counts max_tokens for every request
+    assert [q["tokens"] for q in reqs] == [12] * 4
+    for q in reqs:
+      _assert_acceptance_covers(q["acceptance"], 12, drafter.config.block_size)
+      assert 0 < q["ttft_s"] <= q["seconds"]
+      assert q["tpot_s"] * 11 <= q["seconds"] - q["ttft_s"]  # first to last token event
+    # tokens/s: all tokens over the level's wall time, which is at least its longest request
+    # and its requests' total over the concurrency, and within the whole run
+    tokens = sum(q["tokens"] for q in reqs)
+    level_wall = max(max(q["seconds"] for q in reqs),
+                     sum(q["seconds"] for q in reqs) / row["concurrency"])
+    assert tokens / wall <= row["tokens_per_second"] <= tokens / level_wall
+    ttfts = sorted(1e3 * q["ttft_s"] for q in reqs)
+    assert row["ttft_p50_ms"] in ttfts and row["ttft_p99_ms"] == ttfts[-1]
+    assert row["tpot_ms"] == pytest.approx(1e3 * statistics.median(q["tpot_s"] for q in reqs))
+    acc = [a for q in reqs for a in q["acceptance"]]
+    assert row["acceptance_length"] == pytest.approx(sum(acc) / len(acc))
   coding = coding_eval.run(cfg)
   assert [r["problem"] for r in coding["rows"]] == ["gcd", "fib"]
-  assert all(r["tokens"] == 24 or r["status"] for r in coding["rows"])
+  assert all(r["tokens"] == 24 and r["passed"] == (r["status"] == "pass")
+             for r in coding["rows"])
 
 
 def test_a_random_target_serves_text_through_a_named_tokenizer():
