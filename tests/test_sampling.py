@@ -1,6 +1,17 @@
-"""Temperature > 0: chain and DDTree sampling follow the target's own distribution (Monte Carlo)."""
+"""Temperature > 0: chain and DDTree sampling follow the target's own distribution (Monte Carlo).
 
+`test_sampling_over_accepted_trees` compares the joint law of the first K = 5 tokens (x1 from
+prefill, x2..x5 from the rounds' walks) with the exact one while rounds commit drafted paths, so
+the tree, the budget, the filters at every node and the acceptance walk all shape the output.
+The drafter drafts the target's own per-depth marginals after each row's tokens so far
+(`TableConfig`), so drafts are often accepted even though the target's law is spread; the full
+budget V + V^2 + V^3 holds every path of depth <= L, so there every sampled path is in the tree
+whatever the drafts, and the walk always reaches a leaf.
+"""
+
+import dataclasses
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -9,102 +20,250 @@ import pytest
 from scipy import stats as sps
 
 import ddtree_jax as dj
-from ddtree_jax import engine, model, verify
-from ddtree_jax.checkpoint import Target
+from ddtree_jax import decode, engine, model, verify
+from ddtree_jax.checkpoint import Drafter, Target
 from ddtree_jax.config import ModelConfig
-from helpers import oracle_drafter, write_drafter
+from ddtree_jax.drafter import DrafterConfig
+from helpers import write_drafter
 
 V = 4
+H = 32                  # the target's hidden size
 PROMPT = [1, 3, 2]
-N = 16000  # samples (batch entries) per run: expected TV of pure noise ~0.01
+N = 16000               # samples (batch entries) per run
+N_CHAIN = 40000         # chain accepts fewer drafts, so a bias there shows in fewer rows
+K = 5                   # tokens per row compared with the exact joint law
+L = 3                   # drafts per round (block size 4)
+FULL = V + V**2 + V**3  # every path of depth <= L
+PARTIAL = 12            # the best 12 prefixes: walks also stop inside the tree
+ALPHA = 1e-3            # a case's false-alarm level (Bonferroni over its K p-values)
+
+
+def make_target(seed=4, std=0.3):
+  """A random 2-layer target whose last V hidden features carry the token's one-hot through
+  every layer (the layers write nothing there), so the drafter can read the committed tokens
+  back from the target's layer-0 taps. seed / std give a spread joint law (no cell dominates)."""
+  cfg = ModelConfig(model_type="qwen3", vocab_size=V, hidden_size=H, intermediate_size=64,
+                    num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16)
+  p = model.init_params(cfg, jax.random.key(seed), jnp.float32, std=std)
+  layers = [dataclasses.replace(l, wo=l.wo.at[..., H - V:].set(0),
+                                w_down=l.w_down.at[:, H - V:].set(0)) for l in p.layers]
+  return Target(params=dataclasses.replace(p, embed=p.embed.at[:, H - V:].set(jnp.eye(V)),
+                                           layers=layers), config=cfg)
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-  cfg = ModelConfig(model_type="qwen3", vocab_size=V, hidden_size=32, intermediate_size=64,
-                    num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16)
-  target = Target(params=model.init_params(cfg, jax.random.key(3), jnp.float32, std=0.4), config=cfg)
-  path = write_drafter(str(tmp_path_factory.mktemp("d")), cfg, num_layers=1, block_size=4,
-                       mask_token_id=3, target_layer_ids=(0, 1), std=0.5)
+  """The target and a random DFlash drafter for it (`TableConfig` drafts the tree tests)."""
+  target = make_target()
+  path = write_drafter(str(tmp_path_factory.mktemp("d")), target.config, num_layers=1,
+                       block_size=L + 1, mask_token_id=3, target_layer_ids=(0, 1), std=0.5)
   return target, dj.load_drafter(path, target)
 
 
-def exact_joint(target, temperature, top_k=None, top_p=None):
-  """p(x1, x2) [V, V] of the target's own filtered sampling."""
-  filt = lambda l: jax.nn.softmax(verify.filter_logits(l, temperature, top_k, top_p), axis=-1)
-  p1 = np.asarray(filt(dj.forward_logits(target, [PROMPT])[0, -1]), np.float64)
-  ext = [PROMPT + [x] for x in range(V)]
-  p2 = np.asarray(filt(dj.forward_logits(target, ext)[:, -1]), np.float64)
-  return p1[:, None] * p2
+# ---------------------------------------------------------------- exact laws and the decision
+
+
+def conditionals(target, temperature, top_k=None, top_p=None, depth=K):
+  """[p(x1), p(x2 | x1), ..., p(x_depth | x1..x_depth-1)] of the target's own filtered
+  sampling after PROMPT: entry t has shape [V] * (t + 1), the last axis the next token."""
+  seqs = [PROMPT + list(s) for s in itertools.product(range(V), repeat=depth - 1)]
+  logits = verify.filter_logits(dj.forward_logits(target, seqs), temperature, top_k, top_p)
+  probs = np.asarray(jax.nn.softmax(logits, axis=-1), np.float64)
+  probs = probs.reshape([V] * (depth - 1) + [len(PROMPT) + depth - 1, V])
+  # position len(PROMPT) - 1 + t holds p(x_t+1 | x1..x_t): any later tokens (index 0) do
+  return [probs[(slice(None),) * t + (0,) * (depth - 1 - t) + (len(PROMPT) - 1 + t,)]
+          for t in range(depth)]
+
+
+def joint(conds, k):
+  """p(x1..x_k) [V] * k from `conditionals`."""
+  p = conds[0]
+  for t in range(1, k):
+    p = p[..., None] * conds[t]
+  return p
+
+
+def exact_joint(target, temperature, top_k=None, top_p=None, k=2):
+  """p(x1..x_k) [V] * k of the target's own filtered sampling after PROMPT."""
+  return joint(conditionals(target, temperature, top_k, top_p, depth=k), k)
+
+
+def sample(target, drafter, method, budget, temperature, k=2, n=N, seed=0, **kw):
+  """(counts [V] * k of the first k tokens of n rows after PROMPT, generate's result)."""
+  res = dj.generate(target, [PROMPT] * n, method=method, drafter=drafter, budget=budget,
+                    max_new_tokens=k, temperature=temperature, seed=seed, stop_token_ids=(), **kw)
+  counts = np.zeros([V] * k)
+  np.add.at(counts, tuple(np.asarray(res.tokens).T), 1)
+  return counts, res
 
 
 def empirical_joint(target, drafter, method, budget, temperature, seed=0, **kw):
-  res = dj.generate(target, [PROMPT] * N, method=method, drafter=drafter, budget=budget,
-                    max_new_tokens=2, temperature=temperature, seed=seed, stop_token_ids=(), **kw)
-  toks = np.asarray(res.tokens)
-  counts = np.zeros((V, V))
-  np.add.at(counts, (toks[:, 0], toks[:, 1]), 1)
-  return counts
+  """counts [V, V] of the first two tokens of N rows (with `check`: tests/test_moe.py)."""
+  return sample(target, drafter, method, budget, temperature, seed=seed, **kw)[0]
 
 
 def check(counts, p):
+  """(total variation, chi-squared p-value) of the counts against the law p (same shape)."""
   n = counts.sum()
-  live = p.ravel() > 0
-  assert counts.ravel()[~live].sum() == 0, "sampled a token the filters removed"
-  tv = 0.5 * np.abs(counts.ravel() / n - p.ravel()).sum()
-  # Chi-squared needs expected counts >= 5: pool the rare cells into one.
-  expected = p.ravel() / p.ravel().sum() * n
-  common = expected >= 5
-  rare = live & ~common
-  obs, exp = counts.ravel()[common], expected[common]
-  if rare.any():
-    obs, exp = np.append(obs, counts.ravel()[rare].sum()), np.append(exp, expected[rare].sum())
-  assert len(obs) >= 2, "degenerate distribution: pick filters that keep several outcomes"
-  return tv, sps.chisquare(obs, exp).pvalue
+  assert counts[p == 0].sum() == 0, "sampled a token the filters removed"
+  assert (n * p >= 5).sum() >= 2, "degenerate distribution: pick filters that keep several outcomes"
+  return 0.5 * np.abs(counts / n - p).sum(), pooled_chisquare(counts, n * p)
 
 
-@pytest.mark.parametrize("temperature", [0.5, 1.0, 1.5])
-@pytest.mark.parametrize("method,budget", [("chain", None), ("ddtree", 4), ("ddtree", 16),
-                                           ("ddtree", 64)])
-def test_sampling_matches_target_distribution(pair, method, budget, temperature):
-  target, drafter = pair
-  tv, pvalue = check(empirical_joint(target, drafter, method, budget, temperature),
-                     exact_joint(target, temperature))
-  assert tv < 0.02 and pvalue > 1e-3, (tv, pvalue)
+def pooled_chisquare(obs, exp):
+  """Chi-squared p-value of counts against expected counts (same shape), the bins expected
+  below 5 pooled into one."""
+  obs, exp = obs.ravel(), exp.ravel()
+  live = exp > 0
+  exp = exp * obs[live].sum() / exp[live].sum()  # float32 laws: sums agree to ~1e-7 only
+  common = live & (exp >= 5)
+  o, e = obs[common], exp[common]
+  if (live & ~common).any():
+    o, e = np.append(o, obs[live & ~common].sum()), np.append(e, exp[live & ~common].sum())
+  return sps.chi2.sf(np.sum((o - e)**2 / e), len(o) - 1) if len(o) >= 2 else 1.0
 
 
-@pytest.mark.parametrize("kw", [dict(top_k=2), dict(top_p=0.9), dict(top_k=3, top_p=0.95)])
-def test_filtered_sampling_matches(pair, kw):
-  target, drafter = pair
-  tv, pvalue = check(empirical_joint(target, drafter, "ddtree", 16, 1.0, **kw),
-                     exact_joint(target, 1.0, **kw))
-  assert tv < 0.02 and pvalue > 1e-3, (tv, pvalue)
+def verdict(counts, conds):
+  """The test's statistics for counts [V] * k against the exact law: removed (samples of cells
+  the filters removed), pvalues (per t = 1..k, the chi-squared p-value of the joint law of
+  x1..x_t: a bias at depth t shows in few cells of the short prefixes, where it is not diluted
+  over the V^k cells of the whole law), tv (total variation of the whole law, for messages)."""
+  k, n = counts.ndim, counts.sum()
+  p = joint(conds, k)
+  pvalues = [pooled_chisquare(counts.sum(axis=tuple(range(t, k))), n * joint(conds, t))
+             for t in range(1, k + 1)]
+  return dict(removed=int(counts[p == 0].sum()), pvalues=pvalues,
+              tv=0.5 * np.abs(counts / n - p).sum())
+
+
+def passes(v):
+  """The decision: no removed token and every p-value above ALPHA / k (Bonferroni)."""
+  return v["removed"] == 0 and min(v["pvalues"]) > ALPHA / len(v["pvalues"])
+
+
+# ------------------------------------------------------------------------- the table drafter
+
+
+def history_table(conds, max_history=K - 1):
+  """log q [sum_n V^n, L, V]: per depth d, the marginal law of token n + d after each history
+  x1..x_n (n = 1..max_history, laid out as `TableConfig` indexes them). conds must reach
+  max_history + L tokens."""
+  rows = []
+  for n in range(1, max_history + 1):
+    ahead = conds[n][..., None, None] * conds[n + 1][..., None] * conds[n + 2]
+    ahead = ahead.reshape(V**n, V, V, V)  # p(y1, y2, y3 | history)
+    rows.append(np.stack([ahead.sum((2, 3)), ahead.sum((1, 3)), ahead.sum((1, 2))], axis=1))
+  return np.log(np.maximum(np.concatenate(rows), 1e-30)).astype(np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class TableConfig(DrafterConfig):
+  """Drafts, after each row's tokens so far, the target's own per-depth marginals (params: a
+  `history_table`): the best factorised drafter, so drafts are often accepted at any
+  temperature. The committed tokens are read back from the target's layer-0 taps (`make_target`)
+  into the drafter cache; the history is PROMPT's continuation only."""
+  max_history: int = K - 1
+
+  def draft(self, params, target_params, cache, bonus, kernels=None):
+    tokens = jnp.argmax(cache.k[0, :, 0, :, :V], axis=-1)  # [B, S] the committed tokens
+    j = jnp.arange(self.max_history)
+    n = jnp.clip(cache.lens - len(PROMPT) + 1, 1, self.max_history)[:, None]  # with the bonus
+    at = jnp.minimum(len(PROMPT) + j, cache.capacity - 1)
+    rows = jnp.take_along_axis(tokens, jnp.broadcast_to(at, (tokens.shape[0], len(j))), axis=1)
+    history = jnp.where(j == n - 1, bonus[:, None], rows)
+    code = jnp.sum(jnp.where(j < n, history * V ** jnp.maximum(n - 1 - j, 0), 0), axis=1)
+    offset = (V**n[:, 0] - V) // (V - 1)  # rows of the shorter histories
+    return params[offset + code]
+
+  def context(self, params, taps, positions):
+    onehot = taps[..., H - V:H]  # the first tapped layer's one-hot features
+    return [onehot[:, :, None]], [onehot[:, :, None]]
+
+  def vocab(self, params):
+    return None
+
+
+def table_drafter(conds):
+  """A Drafter of `TableConfig` for the sampling law of `conds` (K + L - 1 tokens deep)."""
+  cfg = ModelConfig(model_type="qwen3", vocab_size=V, hidden_size=H, intermediate_size=64,
+                    num_layers=1, num_heads=1, num_kv_heads=1, head_dim=V)
+  return Drafter(params=jnp.asarray(history_table(conds)),
+                 config=TableConfig(layers=cfg, block_size=L + 1, mask_token_id=0,
+                                    target_layer_ids=(0,)))
+
+
+# ---------------------------------------------------------------------- K tokens over trees
+
+CASES = [  # (method, budget, temperature, filters, least share of rounds committing 3+ tokens)
+    ("chain", None, 1.0, {}, 0.1),
+    ("chain", None, 0.7, dict(top_p=0.9), 0.2),
+    ("ddtree", PARTIAL, 1.0, dict(top_k=3), 0.4),
+    ("ddtree", PARTIAL, 0.7, {}, 0.4),
+    ("ddtree", FULL, 1.0, dict(top_k=3, top_p=0.9), 1.0),
+    ("ddtree", FULL, 0.7, {}, 1.0),
+]
+
+
+def rows(method):
+  """Rows per run of a method."""
+  return N_CHAIN if method == "chain" else N
+
+
+def run_case(target, method, budget, temperature, filters, seed=0):
+  """(verdict, share of rounds that committed 3+ tokens) of one case."""
+  conds = conditionals(target, temperature, depth=K + L - 1, **filters)
+  counts, res = sample(target, table_drafter(conds), method, budget, temperature, k=K,
+                       n=rows(method), seed=seed, **filters)
+  lengths = np.asarray([a for seq in res.stats["acceptance_lengths"] for a in seq])
+  return verdict(counts, conds[:K]), np.mean(lengths >= 3)
+
+
+@pytest.mark.parametrize("method,budget,temperature,filters,multi", CASES)
+def test_sampling_over_accepted_trees(pair, method, budget, temperature, filters, multi):
+  """The first K tokens follow the target's joint law while rounds commit drafted paths.
+
+  Power against a 5 % non-root leak (`leaky_commit`): 0.98 to 1.00 per case, false alarm
+  <= 0.0012 per case (all six cases: power 1.00, false alarm 0.005);
+  experiments/sampling_power.py."""
+  target, _ = pair
+  v, share = run_case(target, method, budget, temperature, filters)
+  assert share >= multi, f"only {share:.0%} of rounds committed 3+ tokens"
+  assert passes(v), v
+
+
+def leaky_commit(real_commit, leak):
+  """`decode.accept_and_commit` with a planted bug: at every non-root node with a child, the
+  target's sample is replaced by the first child's token with probability `leak`, afresh each
+  round (a draft leaking into the output: the walk takes the drafted child even though the
+  target's sample disagrees)."""
+
+  def accept_and_commit(dparams, dcfg, lc, state, tree, post, *rest):
+    n = post.shape[1]
+    first = jnp.argmax(tree.parents[:, None, :] == jnp.arange(n)[None, :, None], axis=-1)
+    u = jax.random.uniform(jax.random.fold_in(rest[-1], 1), post.shape)  # rest[-1]: the key
+    leaks = (u < leak) & (first > 0) & (jnp.arange(n) > 0)[None]           # first 0: no child
+    post = jnp.where(leaks, jnp.take_along_axis(tree.tokens, first, axis=1), post)
+    return real_commit(dparams, dcfg, lc, state, tree, post, *rest)
+
+  return accept_and_commit
 
 
 def test_biased_acceptance_rule_is_caught(pair, monkeypatch):
-  """Proof the test can fail: accept the drafter's top child at the root 30% of the time even
-  when the target's sample disagrees (the kind of shortcut a min(1, p/q) port introduces)."""
-  target, drafter = pair
-  real_accept = verify.accept
-
-  def biased(tokens, parents, depths, visibility, post, max_depth):
-    u = jax.random.uniform(jax.random.key(7), post.shape[:1])
-    root_post = jnp.where(u < 0.3, tokens[:, 1], post[:, 0])
-    return real_accept(tokens, parents, depths, visibility, post.at[:, 0].set(root_post), max_depth)
-
+  """Proof the test can fail: the 5 % non-root leak of `leaky_commit` (one seed)."""
+  target, _ = pair
   engine._PROGRAMS.clear()
   jax.clear_caches()
-  monkeypatch.setattr(verify, "accept", biased)
+  monkeypatch.setattr(decode, "accept_and_commit", leaky_commit(decode.accept_and_commit, 0.05))
   try:
-    tv, pvalue = check(empirical_joint(target, drafter, "ddtree", 16, 1.0),
-                       exact_joint(target, 1.0))
+    v, _ = run_case(target, "ddtree", PARTIAL, 1.0, dict(top_k=3))
   finally:
     engine._PROGRAMS.clear()
     jax.clear_caches()
-  assert tv > 0.02 or pvalue < 1e-3
+  assert not passes(v), v
 
 
 def test_same_seed_same_output_and_greedy_limits(pair):
+  """Sampling is a function of the seed; T = 0 and top_k = 1 give the greedy tokens."""
   target, drafter = pair
   prompts = [PROMPT, [3], [2, 2, 2, 0]]
   run = functools.partial(dj.generate, target, prompts, method="ddtree", drafter=drafter,
@@ -115,75 +274,3 @@ def test_same_seed_same_output_and_greedy_limits(pair):
   greedy = dj.generate(target, prompts, max_new_tokens=12, stop_token_ids=()).tokens
   assert run(temperature=0.0).tokens == greedy
   assert run(temperature=1.0, top_k=1).tokens == greedy  # the sampling path with one choice
-
-
-# ---------------------------------------------------------------- three tokens, multi-token steps
-
-N3 = 24000
-T3 = 0.4  # peaked enough that the greedy drafts are accepted two and three at a time
-
-
-def exact_joint3(target, temperature):
-  """p(x1, x2, x3) [V, V, V] of the target's own sampling after PROMPT."""
-  probs = lambda seqs: np.asarray(jax.nn.softmax(verify.filter_logits(
-      dj.forward_logits(target, seqs)[:, -1], temperature), axis=-1), np.float64)
-  p1 = probs([PROMPT])[0]
-  p2 = probs([PROMPT + [a] for a in range(V)])                      # [V, V]
-  p3 = probs([PROMPT + [a, b] for a in range(V) for b in range(V)]).reshape(V, V, V)
-  return p1[:, None, None] * p2[:, :, None] * p3
-
-
-@pytest.fixture(scope="module")
-def greedy_oracle(pair):
-  """A drafter whose drafts are the target's greedy continuation of PROMPT (rows that sampled
-  off it still draft it: any drafter is allowed, only acceptance changes)."""
-  target, drafter = pair
-  ar = dj.generate(target, [PROMPT], max_new_tokens=8, stop_token_ids=()).tokens
-  return oracle_drafter(drafter, [PROMPT] * N3, ar * N3, corruption=0.0)
-
-
-def empirical_joint3(target, drafter, method, budget, temperature, seed=0):
-  res = dj.generate(target, [PROMPT] * N3, method=method, drafter=drafter, budget=budget,
-                    max_new_tokens=3, temperature=temperature, seed=seed, stop_token_ids=())
-  toks = np.asarray(res.tokens)
-  counts = np.zeros((V, V, V))
-  np.add.at(counts, (toks[:, 0], toks[:, 1], toks[:, 2]), 1)
-  lengths = [a for seq in res.stats["acceptance_lengths"] for a in seq]
-  return counts, np.mean(np.asarray(lengths) >= 2)
-
-
-@pytest.mark.parametrize("method,budget", [("chain", None), ("ddtree", 4), ("ddtree", 20)])
-def test_three_token_sampling_with_multi_token_steps(pair, greedy_oracle, method, budget):
-  """The joint law of the first three tokens equals the target's when most steps commit two or
-  more tokens at once (chain with greedy drafts; DDTree B=20 covers depths 1-2 entirely)."""
-  target, _ = pair
-  counts, multi = empirical_joint3(target, greedy_oracle, method, budget, T3)
-  assert multi > 0.5, f"only {multi:.0%} of steps accepted 2+ tokens: the test needs more"
-  tv, pvalue = check(counts, exact_joint3(target, T3))
-  assert tv < 0.02 and pvalue > 1e-3, (tv, pvalue)
-
-
-def test_biased_rule_is_caught_over_three_tokens(pair, greedy_oracle, monkeypatch):
-  """Proof the three-token test can fail: accept the drafted child of every node 20% of the
-  time even when the target's sample there disagrees."""
-  target, _ = pair
-  real_accept = verify.accept
-
-  def biased(tokens, parents, depths, visibility, post, max_depth):
-    u = jax.random.uniform(jax.random.key(11), post.shape)
-    first_child = jnp.argmax(parents[:, None, :] == jnp.arange(post.shape[1])[None, :, None],
-                             axis=-1)  # [B, N]: the first node whose parent is n (0 if none)
-    forced = jnp.take_along_axis(tokens, first_child, axis=1)
-    return real_accept(tokens, parents, depths, visibility,
-                       jnp.where((u < 0.2) & (first_child > 0), forced, post), max_depth)
-
-  engine._PROGRAMS.clear()
-  jax.clear_caches()
-  monkeypatch.setattr(verify, "accept", biased)
-  try:
-    counts, _ = empirical_joint3(target, greedy_oracle, "chain", None, T3)
-  finally:
-    engine._PROGRAMS.clear()
-    jax.clear_caches()
-  tv, pvalue = check(counts, exact_joint3(target, T3))
-  assert tv > 0.02 or pvalue < 1e-3
