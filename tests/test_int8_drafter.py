@@ -74,13 +74,12 @@ def test_int8_drafter_drafts_near_the_float_one_and_decodes_losslessly(pair):
   assert a.shape == b.shape
   err = float(jnp.max(jnp.abs(a - b))) / float(jnp.std(a))
   assert 0 < err < 0.25, err            # W8A8, so not equal, but close on the logits' scale
-  # alone (a random drafter, rarely accepted) and giving every logit but the oracle's picks
+  # the int8 drafter gives every logit but the oracle's two picks: its drafts get accepted
   over = oracle_drafter(d8, PROMPTS, ar, over_real=True)
   for method, budget in (("chain", None), ("ddtree", 16), ("ddtree", 3)):
-    for drafter in (d8, over):
-      res = dj.generate(target, PROMPTS, method=method, drafter=drafter, budget=budget,
-                        max_new_tokens=M, stop_token_ids=())
-      assert res.tokens == ar, (method, budget)
+    res = dj.generate(target, PROMPTS, method=method, drafter=over, budget=budget,
+                      max_new_tokens=M, stop_token_ids=())
+    assert res.tokens == ar, (method, budget)
     assert_accepted(over, PROMPTS, res, method, budget)
 
 
