@@ -32,6 +32,7 @@ import prometheus_client
 from ddtree_jax import slots as slots_lib
 
 # Used when a checkpoint's tokenizer_config.json has no chat_template.
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 DEFAULT_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
                          "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
 
@@ -152,6 +153,10 @@ def make_app(engine: slots_lib.SlotEngine, tokenizer, model_name: str,
     stop_ids = body.get("stop_token_ids") or []
     if not isinstance(stop_ids, list) or not all(isinstance(i, int) for i in stop_ids):
       raise BadRequest("stop_token_ids", "stop_token_ids must be a list of token ids")
+    n = body.get("n")
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n != 1):
+      raise BadRequest("n", "n must be 1: one choice per request (send one request per sample, "
+                            "each with its own seed)")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
       raise BadRequest("stream", "stream must be true or false")
@@ -268,6 +273,9 @@ def make_app(engine: slots_lib.SlotEngine, tokenizer, model_name: str,
                    and isinstance(m.get("content"), str) for m in messages)):
       raise BadRequest("messages", "messages must be a non-empty list of {role, content} "
                                    "objects with string content")
+    unknown = sorted({m["role"] for m in messages} - set(CHAT_ROLES))
+    if unknown:
+      raise BadRequest("messages", f"unknown role(s) {unknown}; roles are {list(CHAT_ROLES)}")
     try:
       text = template.render(messages=messages, add_generation_prompt=True, **special)
     except jinja2.TemplateError as e:

@@ -155,23 +155,35 @@ def run_endpoint(cfg, problems) -> list[dict]:
     return {"text": res.choices[0].text, "tokens": n,
             "tokens_per_second": n / (time.perf_counter() - t0),
             "tau": sum(acc) / len(acc) if acc else None}
+  t0 = time.perf_counter()
   rows = evaluate(generate_fn, problems, cfg.coding.timeout_s, cfg.coding.memory_mb)
   for r in rows:
     r.update(run="endpoint", method=model, budget=None)
   print_table(rows)
   print(f"\n{cfg.endpoint} ({model}): {sum(r['passed'] for r in rows)}/{len(rows)} passed")
-  return rows
+  return rows, summarize(model, None, rows, time.perf_counter() - t0)
+
+
+def summarize(method, budget, rows, seconds) -> dict:
+  """One run's line of the summary: passed / total, mean tokens/s and tau (None where the rows
+  have none, e.g. a server that reports no acceptance)."""
+  mean = lambda key: (None if any(r[key] is None for r in rows)
+                      else sum(r[key] for r in rows) / len(rows))
+  return {"method": method, "budget": budget, "passed": sum(r["passed"] for r in rows),
+          "total": len(rows), "tokens_per_second": mean("tokens_per_second"), "tau": mean("tau"),
+          "seconds": seconds}
 
 
 def run(cfg, mesh=None) -> dict:
   import ddtree_jax as dj  # pylint: disable=import-outside-toplevel
   problems = parse_problems(cfg.coding.problems)
   if cfg.endpoint:
-    rows = run_endpoint(cfg, problems)
+    rows, summary = run_endpoint(cfg, problems)
     os.makedirs(cfg.out_dir, exist_ok=True)
     path = os.path.join(cfg.out_dir, "coding_eval.json")
-    files.write_json(path, {"endpoint": cfg.endpoint, "rows": rows}, indent=1, default=str)
-    return {"rows": rows, "summary": [], "file": path}
+    files.write_json(path, {"endpoint": cfg.endpoint, "summary": [summary], "rows": rows},
+                     indent=1, default=str)
+    return {"rows": rows, "summary": [summary], "file": path}
   plan = workflow.validate(cfg, baselines=False)
   target, drafter = workflow.load_models(cfg, mesh)
   if target.tokenizer is None:
@@ -194,12 +206,7 @@ def run(cfg, mesh=None) -> dict:
     for r in run_rows:
       r.update(run=name, method=method, budget=budget)
     rows += run_rows
-    tps = [r["tokens_per_second"] for r in run_rows]
-    summary.append({"method": method, "budget": budget,
-                    "passed": sum(r["passed"] for r in run_rows), "total": len(run_rows),
-                    "tokens_per_second": sum(tps) / len(tps),
-                    "tau": sum(r["tau"] for r in run_rows) / len(run_rows),
-                    "seconds": time.perf_counter() - t0})
+    summary.append(summarize(method, budget, run_rows, time.perf_counter() - t0))
   print_table(rows)
   print(f"\n{'run':<13}{'passed':>8}{'tok/s':>10}{'tau':>7}")
   for s in summary:

@@ -184,6 +184,8 @@ def test_a_sampled_request_follows_its_seed_whatever_shares_the_batch(live):
     (json.dumps({"prompt": "x", "seed": "s"}).encode(), "seed"),
     (json.dumps({"prompt": "x", "seed": 2 ** 64}).encode(), "seed"),
     (json.dumps({"prompt": "x", "stop": 3}).encode(), "stop"),
+    (json.dumps({"prompt": "x", "n": 2}).encode(), "n"),
+    (json.dumps({"prompt": "x", "n": "1"}).encode(), "n"),
 ])
 def test_bad_input_is_a_400_naming_the_field_and_the_server_keeps_serving(live, body, field):
   url = live[0]
@@ -191,9 +193,9 @@ def test_bad_input_is_a_400_naming_the_field_and_the_server_keeps_serving(live, 
                  headers={"content-type": "application/json"})
   assert r.status_code == 400, r.text
   assert r.json()["error"]["param"] == field
-  r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user"}]},
-                 timeout=30)
-  assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+  for messages in ([{"role": "user"}], [{"role": "wizard", "content": "hi"}]):
+    r = httpx.post(url + "/v1/chat/completions", json={"messages": messages}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", messages
   assert httpx.get(url + "/health", timeout=10).json()["status"] == "ok"
 
 
@@ -285,6 +287,9 @@ def test_the_http_harness_measures_the_server(live, tmp_path, monkeypatch):
   assert [r["problem"] for r in coding["rows"]] == ["gcd", "fib"]
   assert all(r["tokens"] == 24 and r["passed"] == (r["status"] == "pass")
              for r in coding["rows"])
+  (summary,) = coding["summary"]
+  assert (summary["passed"], summary["total"]) == (sum(r["passed"] for r in coding["rows"]), 2)
+  assert summary["tau"] == pytest.approx(sum(r["tau"] for r in coding["rows"]) / 2)
 
 
 def test_a_random_target_serves_text_through_a_named_tokenizer():
