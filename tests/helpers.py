@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import save_file
 
+from ddtree_jax import kernels as kernels_lib
 from ddtree_jax.drafter import DrafterConfig
 
 
@@ -80,7 +81,7 @@ class OracleConfig(DrafterConfig):
   seed: int = 0
   over_real: bool = False
 
-  def draft(self, params, target_params, cache, bonus, kernels=None):
+  def draft(self, params, target_params, cache, bonus, kernels=kernels_lib.REFERENCE):
     inner, ref = params
     b, r = ref.shape
     v = self.layers.vocab_size
@@ -88,8 +89,7 @@ class OracleConfig(DrafterConfig):
     y = jnp.take_along_axis(ref, jnp.minimum(pos, r - 1), axis=1)
     rank, confident = oracle_ranks(jnp, pos, jnp.arange(b)[:, None], self.corruption, self.seed)
     if self.over_real:
-      real = super().draft(inner, target_params, cache, bonus,
-                           *(() if kernels is None else (kernels,)))
+      real = super().draft(inner, target_params, cache, bonus, kernels)
       base = real - jnp.max(real, axis=-1, keepdims=True)       # at most 0: below both picks
     else:  # tie-free noise, well inside the 0.5 margin between the two picks
       base = jnp.broadcast_to(0.1 * jax.random.normal(jax.random.key(self.seed), (v,)),
