@@ -7,32 +7,36 @@ PY := $(VENV)/bin/python
 
 .PHONY: venv test demo serve clean train train-smoke eval-default bench bench-smoke eval-coding notebook
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.created:
 	@test -x "$(PY312)" || (echo "need Python 3.12 (python3.12 on PATH or under pyenv root)"; exit 1)
 	$(PY312) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[test]"
 	touch $@
 
-venv: $(VENV)/.installed
+# The library and one set of extras (pyproject.toml): core, serve, train, plots or test (all).
+$(VENV)/.installed-%: pyproject.toml $(VENV)/.created
+	$(PY) -m pip install -q -e ".$(if $(filter core,$*),,[$*])"
+	touch $@
 
-test: venv
+venv: $(VENV)/.installed-test
+
+test: $(VENV)/.installed-test
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25 tests
 
-demo: venv
+demo: $(VENV)/.installed-core
 	$(PY) -m experiments.generate --config=configs/default.py
 
 # OpenAI-compatible server on 127.0.0.1:8000 (the bundled pair; see configs/serve.py), e.g.
 #   make serve ARGS="--config.serve.port=8001 --config.serve.budget=32"
-serve: venv
+serve: $(VENV)/.installed-serve
 	$(PY) -m experiments.serve --config=configs/serve.py $(ARGS)
 
 # The bundled default pair (ddtree_jax/default_model): GPU settings, ~8 min on one H200.
-train: venv
+train: $(VENV)/.installed-train
 	PY=$(PY) bash experiments/train_default.sh
 
 # The same pipeline with tiny settings on CPU (~1-2 min); writes only under /tmp/ddtree_smoke.
-train-smoke: venv
+train-smoke: $(VENV)/.installed-train
 	PY=$(PY) PRESET=:smoke WORKDIR=/tmp/ddtree_smoke INSTALL=/tmp/ddtree_smoke/default_model \
 	  bash experiments/train_default.sh
 
@@ -43,14 +47,14 @@ eval-default: venv
 # QWEN3_8B_DIR / QWEN3_8B_DFLASH_DIR, else random weights of the same shapes. Needs the CUDA
 # extra in the venv: .venv/bin/pip install -e ".[cuda13]". Example:
 #   make bench ARGS="--config.batches=1 --config.budgets=32,128 --mesh_tp=8"
-bench: venv
+bench: $(VENV)/.installed-plots
 	$(PY) -m experiments.bench_matrix --config=configs/bench_matrix.py $(ARGS)
 
 # Small matrix on CPU (~1 min): out/bench_smoke/{bench.csv,bench.json,*.png}
-bench-smoke: venv
+bench-smoke: $(VENV)/.installed-plots
 	$(PY) -m experiments.bench_matrix --config=configs/bench_smoke.py $(ARGS)
 
-# Five-problem coding check; generated code runs in the sandbox (ddtree_jax/sandbox.py)
+# Five-problem coding check; generated code runs in the sandbox (ddtree_jax/tools/sandbox.py)
 eval-coding: venv
 	$(PY) -m experiments.coding_eval --config=configs/default.py $(ARGS)
 

@@ -5,29 +5,24 @@ The pair lives in ddtree_jax/default_model/{target,drafter} (`dj.DEFAULT_MODEL_D
 Every other config file starts from this one, and scripts refuse keys this file does not define.
 
 Override from the command line, e.g. --config.max_new_tokens=64 --config.target=/path/to/Qwen3-8B,
-or with env vars DDTREE_TARGET / DDTREE_DRAFTER.
+or with env vars DDTREE_TARGET / DDTREE_DRAFTER. The generate options' defaults are
+`request.GenerateOptions`' (None spelled "" or 0 here).
 """
 
-import importlib.util
 import os
 
 import ml_collections
+
+import ddtree_jax as dj
+from ddtree_jax.request import GenerateOptions
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURE_TARGET = os.path.join(REPO, "tests/fixtures/hf/qwen3_gqa")
 
 
-def default_model_dir():
-  """dj.DEFAULT_MODEL_DIR, found without importing the package (and jax)."""
-  spec = importlib.util.find_spec("ddtree_jax")
-  if spec is not None and spec.submodule_search_locations:
-    return os.path.join(list(spec.submodule_search_locations)[0], "default_model")
-  return os.path.join(REPO, "ddtree_jax", "default_model")
-
-
 def default_pair():
   """(target dir, drafter dir) of the bundled pair, or (fixture target, "") while it is absent."""
-  d = default_model_dir()
+  d = dj.DEFAULT_MODEL_DIR
   target, drafter = os.path.join(d, "target"), os.path.join(d, "drafter")
   if all(os.path.exists(os.path.join(p, "config.json")) for p in (target, drafter)):
     return target, drafter
@@ -64,12 +59,13 @@ def get_config():
   c.budgets = "8,32"                                 # ddtree budgets, each in [1, 1024]
   c.prompts = ("def is_palindrome(s):", "def fib(n):", "import os\n")
   c.max_new_tokens = 96
-  c.temperature = 0.0
-  c.attention = ""                                   # "" = pallas on GPU, xla on CPU
-  c.seed = 0
-  c.topk_cap = 0                                     # ddtree tokens kept per depth (0 = budget)
+  c.temperature = GenerateOptions.temperature
+  c.attention = GenerateOptions.attention or ""      # "" = request.default_attention(): pallas
+                                                     # on GPU, xla elsewhere
+  c.seed = GenerateOptions.seed
+  c.topk_cap = GenerateOptions.topk_cap or 0         # ddtree tokens kept per depth (0 = budget)
   c.ignore_eos = False                               # True: never stop early (benchmarks)
-  c.steps_per_check = 1                              # decode steps per host check of the stop
+  c.steps_per_check = GenerateOptions.steps_per_check  # decode steps per host check of the stop
                                                      # condition (> 1: idle steps at the end)
   c.out_dir = "out/default"                          # CSV / JSON / PNG outputs of the scripts
 

@@ -6,12 +6,17 @@ default, DDTree at one budget chosen at start, greedy or sampled per request.
   python -m experiments.serve --config=configs/serve.py --config.random_target=True \
       --config.random_drafter=True --config.drafter= --config.dtype=bfloat16 \
       --config.serve.tokenizer=ddtree_jax/default_model/target   # random Qwen3-8B shape
+
+The serve.* defaults are `slots.SlotConfig`'s but capacity (and prompt_buckets spelled as a
+comma list); a request's options are its own (`request.GenerateOptions`, the server's JSON).
 """
 
 import importlib.util
 import os
 
 import ml_collections
+
+from ddtree_jax.serving.slots import SlotConfig
 
 _spec = importlib.util.spec_from_file_location(
     "ddtree_config_default", os.path.join(os.path.dirname(os.path.abspath(__file__)), "default.py"))
@@ -29,21 +34,21 @@ def get_config():
   s.tokenizer = ""                  # a directory with tokenizer.json: encodes prompts, decodes
                                     # ids ("" = the target's; a random target has none, e.g.
                                     # ddtree_jax/default_model/target; unknown ids decode to "")
-  s.method = "ddtree" if c.drafter else "ar"  # ar | chain | ddtree
-  s.budget = 16                     # DDTree nodes per verify, fixed at start
-  s.slots = 8                       # decode slots (the batch of every decode step)
+  d = SlotConfig  # (its class attributes: the fields' defaults)
+  s.method = d.method if c.drafter else "ar"  # ar | chain | ddtree
+  s.budget = d.budget               # DDTree nodes per verify, fixed at start
+  s.slots = d.slots                 # decode slots (the batch of every decode step)
   s.capacity = 512                  # cache rows per slot: prompt + generated tokens
-  s.chunk_steps = 8                 # decode steps per chunk between two admissions
-  s.max_chunk_steps = 32            # ... while requests come one at a time
-  s.pipeline = False                # ... and dispatch the next chunk before streaming the last
+  s.chunk_steps = d.chunk_steps     # decode steps per chunk between two admissions
+  s.max_chunk_steps = d.max_chunk_steps  # ... while requests come one at a time
+  s.pipeline = d.pipeline           # ... and dispatch the next chunk before streaming the last
                                     # (on a GPU the dispatch waits for the chunk: no overlap)
-  s.refill_wait = 0.1               # after a chunk that ended requests, wait up to this fraction
+  s.refill_wait = d.refill_wait     # after a chunk that ended requests, wait up to this fraction
                                     # of its time for new ones while slots are free
-  s.prompt_buckets = "16,64,256"    # prompts are padded to the first bucket that fits (the
-                                    # bundled pair's prefill on 2 CPU cores: 16 tokens 2.9 ms,
-                                    # 64 tokens 7.7 ms)
-  s.max_queue = 256                 # waiting requests; more are answered 429
-  s.sampling = True                 # per-request temperature / top_p / top_k / seed; False: a
+  s.prompt_buckets = ",".join(map(str, d.prompt_buckets))  # a prompt is padded to the first
+                                    # bucket that fits it (one prefill program per bucket)
+  s.max_queue = d.max_queue         # waiting requests; more are answered 429
+  s.sampling = d.sampling           # per-request temperature / top_p / top_k / seed; False: a
                                     # greedy-only program (temperature > 0 is a 400)
-  s.max_top_k = 64                  # the largest top_k a request may ask for
+  s.max_top_k = d.max_top_k         # the largest top_k a request may ask for
   return c

@@ -19,7 +19,7 @@ def get_config(preset: str = "gpu"):
   c.data.stdlib_root = ""              # "" = sysconfig.get_paths()["stdlib"] of this interpreter
   c.data.packages = "deps"             # installed packages' sources too: comma list of import
                                        # names, "deps" = the project's (data.DEPENDENCIES)
-  c.data.heldout_fraction = 0.02       # by sha256 of the relative path (ddtree_jax/data.py)
+  c.data.heldout_fraction = 0.02       # by sha256 of the relative path (ddtree_jax/training/data.py)
   c.data.max_files = 0                 # > 0: only the first N files per split (smoke)
   c.data.vocab_size = 4096             # byte-level BPE, ids 0/1 = <|endoftext|>/<|mask|>
 

@@ -2,10 +2,10 @@
 
 import os as _os
 
-from ddtree_jax.checkpoint import Drafter, Target, load_drafter, load_target
+from ddtree_jax.checkpoints.hf import Drafter, Target, load_drafter, load_target
 from ddtree_jax.engine import (GenerateResult, compile_many, compile_only, draft_logits,
                                forward_logits, generate)
-from ddtree_jax.tree import DraftTree, build_tree
+from ddtree_jax.spec.tree import DraftTree, build_tree
 
 DEFAULT_MODEL_DIR = _os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "default_model")
 

@@ -1,4 +1,4 @@
-"""Public entry points: validate a request, pad it to static shapes, run prefill + decode loop."""
+"""Public entry points: check a request, pad it to static shapes, run prefill + decode loop."""
 
 from __future__ import annotations
 
@@ -14,15 +14,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax import decode
-from ddtree_jax import drafter as drafter_lib
+from ddtree_jax.spec import decode
+from ddtree_jax.models import drafter as drafter_lib
 from ddtree_jax import kernels as kernels_lib
-from ddtree_jax import model
+from ddtree_jax.models import decoder
 from ddtree_jax import sharding
-from ddtree_jax import validation
-from ddtree_jax.checkpoint import Drafter, Target
+from ddtree_jax.checkpoints.hf import Drafter, Target
+from ddtree_jax.request import GenerateOptions, RequestError, token_ids as check_token_ids
+from ddtree_jax.spec.sampling import seed_key_data
 
-MAX_BUDGET = validation.MAX_BUDGET
 _LOG = logging.getLogger(__name__)
 
 
@@ -34,10 +34,6 @@ class GenerateResult:
 
 def _round_up(x: int, m: int) -> int:
   return -(-x // m) * m
-
-
-def _default_attention() -> str:
-  return "pallas" if jax.default_backend() == "gpu" else "xla"
 
 
 _PROGRAMS: dict = {}
@@ -63,51 +59,38 @@ def _programs(args, capacity, statics):
   return _PROGRAMS[key]
 
 
-def _prepare(target, prompts, *, method, max_new_tokens, temperature, seed, stop_token_ids,
-             drafter, budget, topk_cap, cache_capacity, attention, top_k, top_p, steps_per_check,
-             kernel_tuning):
-  """Validates a request and lays it out in static shapes: (args, capacity, statics)."""
-  req = validation.check_generate(
-      target, prompts, method=method, max_new_tokens=max_new_tokens, temperature=temperature,
-      seed=seed, stop_token_ids=stop_token_ids, drafter=drafter, budget=budget,
-      topk_cap=topk_cap, cache_capacity=cache_capacity, attention=attention, top_k=top_k,
-      top_p=top_p, steps_per_check=steps_per_check, kernel_tuning=kernel_tuning,
-      default_attention=_default_attention())
-  method, prompts, capacity = req.method, req.prompts, req.capacity
+def _prepare(target, prompts, options: GenerateOptions, drafter):
+  """Checks a request and lays it out in static shapes: (args, capacity, statics)."""
+  prompts, options = options.check(target, drafter, prompts)
   lens = np.array([len(p) for p in prompts], np.int32)
   t = _round_up(int(lens.max()), 16)
   tokens = np.zeros((len(prompts), t), np.int32)
   for i, p in enumerate(prompts):
     tokens[i, :len(p)] = p
-  use_drafter = method != "ar"
+  use_drafter = options.method != "ar"
   dcfg = drafter.config if use_drafter else None
   dparams = drafter.params if use_drafter else None
-  lc = decode.LoopConfig(
-      method=method, max_new_tokens=req.max_new_tokens,
-      num_drafts=dcfg.num_drafts if use_drafter else 0,
-      budget=req.budget or 0, topk_cap=req.topk_cap, temperature=req.temperature,
-      top_k=req.top_k if req.temperature else None, top_p=req.top_p if req.temperature else None,
-      stop_ids=req.stop_ids, steps_per_check=req.steps_per_check,
-      # tensor/data parallel (sharding.py) when the target has a mesh
-      kernels=kernels_lib.Kernels(req.attention, target.mesh, target.rules,
-                                  kernel_tuning or kernels_lib.KernelTuning()))
-  mesh, rules = target.mesh, target.rules
-  statics = dict(tcfg=target.config, dcfg=dcfg, lc=lc)
+  mesh, rules = target.mesh, target.rules  # tensor/data parallel (sharding.py) with a mesh
+  statics = dict(tcfg=target.config, dcfg=dcfg, lc=options.loop_config(dcfg, mesh, rules))
   tokens, lens = sharding.pad_batch((tokens, lens), mesh, rules)  # batch: a multiple of dp
+  # keyed as the slot engine keys a request: a seed draws the same tokens, served or not
+  key = jax.random.wrap_key_data(seed_key_data(options.seed), impl="threefry2x32")
   args = (target.params, dparams, sharding.put_batch(tokens, mesh, rules),
-          sharding.put_batch(lens, mesh, rules), sharding.replicate(jax.random.key(req.seed), mesh))
-  return args, capacity, statics
+          sharding.put_batch(lens, mesh, rules), sharding.replicate(key, mesh))
+  return args, options.cache_capacity, statics
 
 
-_DEFAULTS = dict(temperature=0.0, seed=0, stop_token_ids=None, drafter=None, budget=None,
-                 topk_cap=None, cache_capacity=None, attention=None, top_k=None, top_p=None,
-                 steps_per_check=1, kernel_tuning=None)
+def _options(kwargs: dict) -> tuple[GenerateOptions, Drafter | None]:
+  """(the options, the drafter) of `generate`'s keyword arguments."""
+  kwargs = dict(kwargs)
+  drafter = kwargs.pop("drafter", None)
+  return GenerateOptions(**kwargs), drafter
 
 
 def compile_only(target: Target, prompts: Sequence[Sequence[int]], **kwargs) -> float:
   """Compiles the programs `generate(target, prompts, **kwargs)` would run, without running
   them (a no-op when they are cached). Returns the seconds it took."""
-  args, capacity, statics = _prepare(target, prompts, **(_DEFAULTS | kwargs))
+  args, capacity, statics = _prepare(target, prompts, *_options(kwargs))
   t0 = time.perf_counter()
   _programs(args, capacity, statics)
   return time.perf_counter() - t0
@@ -125,7 +108,7 @@ def compile_many(target: Target, requests: Sequence[tuple[Sequence[Sequence[int]
 def prefill_state(target: Target, prompts: Sequence[Sequence[int]], **kwargs):
   """(the DecodeState right after prefill, the LoopConfig) that `generate(target, prompts,
   **kwargs)` would decode from: for tools that run the step's stages one by one."""
-  args, capacity, statics = _prepare(target, prompts, **(_DEFAULTS | kwargs))
+  args, capacity, statics = _prepare(target, prompts, *_options(kwargs))
   return decode.prefill(*args, capacity=capacity, **statics), statics["lc"]
 
 
@@ -189,7 +172,9 @@ def generate(target: Target, prompts: Sequence[Sequence[int]], *, method: str = 
              attention: str | None = None, top_k: int | None = None,
              top_p: float | None = None, steps_per_check: int = 1,
              kernel_tuning: kernels_lib.KernelTuning | None = None) -> GenerateResult:
-  """Generates up to `max_new_tokens` per prompt with AR, chain (DFlash) or DDTree decoding.
+  """Generates up to `max_new_tokens` per prompt with AR, chain (DFlash) or DDTree decoding; the
+  keywords but `drafter` are `request.GenerateOptions`' (with its defaults; a GenerateOptions
+  `options` is `generate(target, prompts, drafter=..., **options.kwargs())`).
 
   temperature > 0 samples from the target's distribution (optionally top_k / top_p filtered);
   chain and ddtree then draw one target sample per tree node and walk the tree with them, so
@@ -201,11 +186,12 @@ def generate(target: Target, prompts: Sequence[Sequence[int]], *, method: str = 
   output and stats are the same. kernel_tuning: the Pallas kernels' tuning (`kernels.KernelTuning`;
   None: the defaults).
   """
-  args, capacity, statics = _prepare(
-      target, prompts, method=method, max_new_tokens=max_new_tokens, temperature=temperature,
-      seed=seed, stop_token_ids=stop_token_ids, drafter=drafter, budget=budget,
-      topk_cap=topk_cap, cache_capacity=cache_capacity, attention=attention, top_k=top_k,
-      top_p=top_p, steps_per_check=steps_per_check, kernel_tuning=kernel_tuning)
+  options = GenerateOptions(
+      method=method, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+      stop_token_ids=stop_token_ids, budget=budget, topk_cap=topk_cap,
+      cache_capacity=cache_capacity, attention=attention, top_k=top_k, top_p=top_p,
+      steps_per_check=steps_per_check, kernel_tuning=kernel_tuning)
+  args, capacity, statics = _prepare(target, prompts, options, drafter)
   lc, dparams = statics["lc"], args[1]
   t0 = time.perf_counter()
   prefill, loop = _programs(args, capacity, statics)
@@ -238,24 +224,24 @@ def generate(target: Target, prompts: Sequence[Sequence[int]], *, method: str = 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _forward_logits(params, token_ids, *, cfg):
   b, t = token_ids.shape
-  cache = model.init_target_cache(cfg, b, 0, params.embed.dtype)
+  cache = decoder.init_target_cache(cfg, b, 0, params.embed.dtype)
   positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-  hidden, *_ = model.forward(params, cfg, token_ids, positions, cache,
-                             model.causal_mask(jnp.full((b,), t), t))
-  return model.lm_head(params, hidden)
+  hidden, *_ = decoder.forward(params, cfg, token_ids, positions, cache,
+                               decoder.causal_mask(jnp.full((b,), t), t))
+  return decoder.lm_head(params, hidden)
 
 
 def forward_logits(target: Target, token_ids) -> jax.Array:
   """Plain causal forward, no cache: token_ids [B, T] -> float32 logits [B, T, V]."""
   ids = np.asarray(token_ids)
   if ids.ndim != 2 or not ids.size:
-    raise validation.RequestError(f"token_ids must be a non-empty [B, T] array, got shape "
-                                  f"{ids.shape}")
+    raise RequestError(f"token_ids must be a non-empty [B, T] array, got shape {ids.shape}",
+                       "token_ids")
   for i, row in enumerate(ids):
-    validation.token_ids(f"token_ids row {i}", row, target.config.vocab_size)
+    check_token_ids(f"token_ids row {i}", row, target.config.vocab_size, "token_ids")
   if ids.shape[1] > target.config.max_position_embeddings:
-    raise validation.RequestError(f"{ids.shape[1]} tokens exceed the model's "
-                                  f"{target.config.max_position_embeddings} positions")
+    raise RequestError(f"{ids.shape[1]} tokens exceed the model's "
+                       f"{target.config.max_position_embeddings} positions", "token_ids")
   return _forward_logits(target.params, jnp.asarray(ids, jnp.int32), cfg=target.config)
 
 
@@ -264,15 +250,15 @@ def draft_logits(target: Target, drafter: Drafter, prompt: Sequence[int]) -> jax
   over `drafter.params.draft_vocab` for a drafter with a draft vocabulary (build_tree's tokens
   are then column indices: map them with draft_vocab[tokens[..., 1:]])."""
   if not isinstance(drafter, Drafter):
-    raise validation.RequestError(f"drafter must be a Drafter (ddtree_jax.load_drafter), got "
-                                  f"{type(drafter).__name__}")
-  prompt = validation.token_ids("prompt", prompt, target.config.vocab_size)
+    raise RequestError(f"drafter must be a Drafter (ddtree_jax.load_drafter), got "
+                       f"{type(drafter).__name__}", "drafter")
+  prompt = check_token_ids("prompt", prompt, target.config.vocab_size)
   if not prompt:
-    raise validation.RequestError("prompt is empty")
+    raise RequestError("prompt is empty", "prompt")
   if len(prompt) + drafter.config.block_size > target.config.max_position_embeddings:
-    raise validation.RequestError(f"a prompt of {len(prompt)} tokens and a block of "
-                                  f"{drafter.config.block_size} exceed the model's "
-                                  f"{target.config.max_position_embeddings} positions")
+    raise RequestError(f"a prompt of {len(prompt)} tokens and a block of "
+                       f"{drafter.config.block_size} exceed the model's "
+                       f"{target.config.max_position_embeddings} positions", "prompt")
   state = decode.prefill(
       target.params, drafter.params, jnp.asarray([list(prompt)], jnp.int32),
       jnp.asarray([len(prompt)], jnp.int32), jax.random.key(0), tcfg=target.config,

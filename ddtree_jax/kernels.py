@@ -1,20 +1,22 @@
 """The kernel switch: which implementation of each hot operation the model runs.
 
 `Kernels(attention, mesh, rules, tuning)` is built once per configuration and handed to
-`model.forward`, the drafter and the verify. It is compared and hashed by those four fields, so it
+`decoder.forward`, the drafter and the verify. It is compared and hashed by those four fields, so it
 is a jit static argument: each configuration compiles its own program. It holds
 
-  attend         the attention contract (`attention.attend_xla`; Pallas `tree_attention`)
-  project_qkv    q/k/v projections + q/k RMSNorm + RoPE (`model.project_norm_rope`; Pallas)
-  residual_norm  the residual add + next RMSNorm after o and down (`model.residual_norm`; Pallas)
-  embed          the embedding lookup (`model.embed_lookup`)
+  attend         the attention contract (`attention_lib.attend_xla`; Pallas `tree_attention`)
+  attend_latent  latent attention (`mla.attend_latent`; Pallas `latent_attention`)
+  project_qkv    q/k/v projections + q/k RMSNorm + RoPE (`attention_lib.project_norm_rope`; Pallas)
+  residual_norm  the residual add + next RMSNorm after o and down (`ops.residual_norm`; Pallas)
+  embed          the embedding lookup (`ops.embed_lookup`)
   moe            a MoE layer's router + experts (`moe.grouped`; on Pallas its expert GEMMs
                  `pallas.grouped_gemm`, decode steps pair by pair)
+  vocab_top_k    the tree's top-k and logsumexp over the vocabulary (`topk.vocab_top_k`)
 
 and, on a mesh, runs each per shard under `jax.shard_map` (a pallas_call cannot take sharded
-operands; the vocab-split lookup needs one psum). `KernelTuning` holds every tuning default of the
-Pallas kernels: drivers pass a modified copy, nothing patches module globals.
-The implementations are resolved on first use (model.py and sharding.py import this module).
+operands; the vocab-split lookup needs one psum). `KernelTuning` (pallas/tuning.py) holds every
+tuning default of the Pallas kernels. Each kernel imports only its reference and the tuning, never
+this switch.
 """
 
 from __future__ import annotations
@@ -27,109 +29,17 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from ddtree_jax import sharding
+from ddtree_jax.models import attention as attention_lib
+from ddtree_jax.models import mla, moe as moe_lib
+from ddtree_jax.models.ops import dense, embed_lookup, residual_norm
+from ddtree_jax.pallas import add_rms_norm, grouped_gemm, latent_attention, qk_norm_rope
+from ddtree_jax.pallas.tree_attention import tree_attention
+from ddtree_jax.pallas.tuning import KernelTuning
+from ddtree_jax.spec import topk
+
 ATTENTIONS = ("xla", "pallas")
-TREE_LAUNCH_NAMES = ("block_t", "block_k", "num_splits", "num_warps", "num_stages")
-DEFAULT_SM_COUNT = 132  # H100 / H200, for devices that do not report their core count
 
-
-@dataclasses.dataclass(frozen=True)
-class KernelTuning:
-  """Tuning defaults of the Pallas kernels (measured on an H200: WORKSPACE.md, Findings)."""
-  # SMs the attention's split-K rule fills; None: the device's count (DEFAULT_SM_COUNT if unknown)
-  sm_count: int | None = None
-  # tree_attention launch parameters (TREE_LAUNCH_NAMES) that replace the rule's for trees,
-  # i.e. more than 64 query rows (tokens x GQA group) per kv head; () keeps the rule
-  tree_launch: tuple[tuple[str, int], ...] = ()
-  # a fused q/k/v projection runs as this many explicit split-K slices, summed by the q/k
-  # kernel, at token rows (batch x nodes) in this inclusive range; XLA's GEMM elsewhere
-  qkv_splits: int = 2
-  qkv_rows: tuple[int, int] = (32, 128)
-  # the residual add + RMSNorm kernel after o and down: token rows it runs at (inclusive;
-  # an empty range turns it off), its split-K slices as (least contracted dim, slices), first
-  # match, halved until they divide the dim and are at least residual_min_depth deep; warps
-  residual_rows: tuple[int, int] = (64, 128)
-  residual_splits: tuple[tuple[int, int], ...] = ((8192, 8), (0, 4))
-  residual_min_depth: int = 512
-  residual_warps: int = 8
-  # the MoE expert GEMMs (`pallas.grouped_gemm`): (most (row, expert) pairs, block_m, block_n,
-  # block_k), the first entry covering a step's pairs; XLA's ragged_dot past the last entry
-  moe_launch: tuple[tuple[int, int, int, int], ...] = ((256, 16, 64, 128), (4096, 16, 128, 64),
-                                                       (1 << 30, 64, 128, 64))
-  # steps of at most moe_pair_max (row, expert) pairs run pair by pair, one tile each
-  # (`grouped_gemm.pair_matmul`: no sort, no tile list), tiles (block_m, block_n, block_k)
-  moe_pair_max: int = 64
-  moe_pair_blocks: tuple[int, int, int] = (16, 64, 256)
-  # latent attention (MLA) on the Pallas kernel (`pallas.latent_attention`; one device, power-of-
-  # two latent and RoPE widths) for one token, or up to latent_tree_rows query rows (tokens x
-  # heads) over a cache of up to latent_tree_capacity rows; XLA's form elsewhere. Measured on the
-  # H200 at 16 heads over 1K-32K rows and 128 heads over 1K; the two limits lie between a faster
-  # point (272 rows over 1K) and slower ones (2176 rows; 8K rows) (WORKSPACE.md, Findings: Latent
-  # attention and DeepSeekMoE). The valid prefix is cut into capacity // latent_split_rows
-  # splits (1 to latent_max_splits), launched as latent_launch (block_q, block_k, num_warps,
-  # num_stages; blocks powers of two >= 16). latent_pallas False: XLA's form always
-  latent_pallas: bool = True
-  latent_tree_rows: int = 512
-  latent_tree_capacity: int = 2048
-  latent_split_rows: int = 128
-  latent_max_splits: int = 64
-  latent_launch: tuple[int, int, int, int] = (16, 64, 4, 2)
-  # Pallas interpret mode; None: on a CPU backend (False lowers to Triton there, for an
-  # abstract GPU: experiments/perf/compile_offline.py)
-  interpret: bool | None = None
-
-  def __post_init__(self):
-    bad = [k for k, _ in self.tree_launch if k not in TREE_LAUNCH_NAMES]
-    if bad:
-      raise ValueError(f"KernelTuning.tree_launch: unknown names {bad}; valid: "
-                       f"{TREE_LAUNCH_NAMES}")
-    if self.sm_count is not None and self.sm_count < 1:
-      raise ValueError(f"KernelTuning.sm_count must be >= 1 or None, got {self.sm_count}")
-    if self.qkv_splits < 0 or self.residual_warps < 1 or self.residual_min_depth < 1:
-      raise ValueError(f"KernelTuning: qkv_splits >= 0, residual_warps >= 1 and "
-                       f"residual_min_depth >= 1 needed, got {self}")
-    block_q, block_k, warps, stages = self.latent_launch
-    if (min(self.latent_split_rows, self.latent_max_splits, warps, stages) < 1
-        or any(x < 16 or x & (x - 1) for x in (block_q, block_k))):
-      raise ValueError(f"KernelTuning: latent_split_rows, latent_max_splits, warps and stages "
-                       f">= 1 and latent blocks powers of two >= 16 needed, got split rows "
-                       f"{self.latent_split_rows}, max splits {self.latent_max_splits}, launch "
-                       f"{self.latent_launch}")
-
-  def use_latent_pallas(self, tokens: int, heads: int, capacity: int) -> bool:
-    """Whether latent attention of `tokens` new rows x `heads` over a cache of `capacity` rows
-    runs on the Pallas kernel (one device)."""
-    return self.latent_pallas and (tokens == 1 or (tokens * heads <= self.latent_tree_rows and
-                                                   capacity <= self.latent_tree_capacity))
-
-  def device_sm_count(self) -> int:
-    """The SM count the attention's split rule fills."""
-    if self.sm_count:
-      return self.sm_count
-    try:
-      return getattr(jax.devices()[0], "core_count", None) or DEFAULT_SM_COUNT
-    except RuntimeError:  # no backend
-      return DEFAULT_SM_COUNT
-
-  def moe_blocks(self, pairs: int) -> tuple[int, int, int] | None:
-    """(block_m, block_n, block_k) of the grouped GEMM over `pairs` sorted rows, or None (XLA's
-    ragged_dot)."""
-    return next((tuple(b) for most, *b in self.moe_launch if pairs <= most), None)
-
-  def qkv_split_count(self, rows: int) -> int:
-    """Split-K slices of a fused q/k/v projection over `rows` token rows (0: XLA's GEMM)."""
-    lo, hi = self.qkv_rows
-    return self.qkv_splits if lo <= rows <= hi else 0
-
-  def residual_split_count(self, rows: int, contracted: int) -> int:
-    """Split-K slices of a [rows, contracted] o / down projection for the residual kernel (0:
-    XLA's form)."""
-    lo, hi = self.residual_rows
-    if not lo <= rows <= hi:
-      return 0
-    s = next((s for least, s in self.residual_splits if contracted >= least), 0)
-    while s > 1 and (contracted % s or contracted // s < self.residual_min_depth):
-      s //= 2
-    return s if s > 1 else 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,10 +58,8 @@ class Kernels:
   @functools.cached_property
   def attend(self) -> Callable:
     """q, k_cache, v_cache, prefix_len, k_new, v_new, new_mask, *, scale, layer -> [B, T, N, D]."""
-    from ddtree_jax import attention  # pylint: disable=import-outside-toplevel
-    fn = attention.attend_xla
+    fn = attention_lib.attend_xla
     if self.attention == "pallas":
-      from ddtree_jax.pallas.tree_attention import tree_attention  # pylint: disable=import-outside-toplevel
       fn = functools.partial(tree_attention, tuning=self.tuning)
     return fn if self.mesh is None else shard_attention(fn, self.mesh, self._rules)
 
@@ -161,55 +69,48 @@ class Kernels:
     layer -> [B, T, N, value_dim] (`mla.attend_latent`'s contract). XLA's form (on a mesh GSPMD
     splits the heads, the latent replicated), or with tuning.latent_pallas on one device the
     Pallas kernel where the widths allow it and tuning.use_latent_pallas says."""
-    from ddtree_jax import mla  # pylint: disable=import-outside-toplevel
     if self.attention != "pallas" or self.mesh is not None or not self.tuning.latent_pallas:
       return mla.attend_latent
-    from ddtree_jax.pallas import latent_attention as kernel  # pylint: disable=import-outside-toplevel
     tuning = self.tuning
 
     def attend(q, cache, prefix_len, new, new_mask, *, scale, value_dim, layer=None):
       c, r = value_dim, q.shape[-1] - value_dim
-      if (c != kernel.pow2(c) or r != kernel.pow2(r) or min(c, r) < 16
+      if (c != latent_attention.pow2(c) or r != latent_attention.pow2(r) or min(c, r) < 16
           or not tuning.use_latent_pallas(q.shape[1], q.shape[2], cache.shape[-2])):
         return mla.attend_latent(q, cache, prefix_len, new, new_mask, scale=scale,
                                  value_dim=value_dim, layer=layer)
       splits = max(1, min(tuning.latent_max_splits, cache.shape[-2] // tuning.latent_split_rows))
       block_q, block_k, warps, stages = tuning.latent_launch
-      return kernel.latent_attention(q, cache, prefix_len, new, new_mask, scale=scale,
-                                     value_dim=value_dim, layer=layer, num_splits=splits,
-                                     block_q=block_q, block_k=block_k, num_warps=warps,
-                                     num_stages=stages, interpret=tuning.interpret)
+      return latent_attention.latent_attention(
+          q, cache, prefix_len, new, new_mask, scale=scale, value_dim=value_dim, layer=layer,
+          num_splits=splits, block_q=block_q, block_k=block_k, num_warps=warps,
+          num_stages=stages, interpret=tuning.interpret)
     return attend
 
   @functools.cached_property
   def project_qkv(self) -> Callable:
     """layer, h [B, T, H], cos, sin, *, eps -> q [B, T, N, D], k, v [B, T, K, D] (q, k normed
     and RoPE'd). Pallas on a mesh: XLA's projections, then the q/k kernel per shard."""
-    from ddtree_jax import model  # pylint: disable=import-outside-toplevel
     if self.attention != "pallas":
-      return model.project_norm_rope
-    from ddtree_jax.pallas.qk_norm_rope import project_qk_norm_rope, qk_norm_rope  # pylint: disable=import-outside-toplevel
+      return attention_lib.project_norm_rope
     if self.mesh is None:
-      return functools.partial(project_qk_norm_rope, tuning=self.tuning)
-    return shard_qk_norm_rope(functools.partial(qk_norm_rope, interpret=self.tuning.interpret),
+      return functools.partial(qk_norm_rope.project_qk_norm_rope, tuning=self.tuning)
+    return shard_qk_norm_rope(functools.partial(qk_norm_rope.qk_norm_rope,
+                                                interpret=self.tuning.interpret),
                               self.mesh, self._rules)
 
   @functools.cached_property
   def residual_norm(self) -> Callable:
     """x, spec, a, w, norm, *, eps -> (x + dense(spec, a, w), its RMSNorm). The Pallas kernel on
     one device only: on a mesh o and down are split over their contracted dim."""
-    from ddtree_jax import model  # pylint: disable=import-outside-toplevel
     if self.attention != "pallas" or self.mesh is not None:
-      return model.residual_norm
-    from ddtree_jax.pallas.add_rms_norm import residual_norm  # pylint: disable=import-outside-toplevel
-    return functools.partial(residual_norm, tuning=self.tuning)
+      return residual_norm
+    return functools.partial(add_rms_norm.residual_norm, tuning=self.tuning)
 
   @functools.cached_property
   def embed(self) -> Callable:
     """table [V, H], tokens [...] -> [..., H]."""
-    from ddtree_jax import model  # pylint: disable=import-outside-toplevel
-    return model.embed_lookup if self.mesh is None else shard_embed_lookup(self.mesh,
-                                                                           self._rules)
+    return embed_lookup if self.mesh is None else shard_embed_lookup(self.mesh, self._rules)
 
   @functools.cached_property
   def moe(self) -> Callable:
@@ -217,11 +118,9 @@ class Kernels:
     mixture of experts; on Pallas a step of few pairs pair by pair (`moe.pairs`), others over
     the sorted pairs (`moe.grouped`). On a mesh per shard: each device runs its experts (and its
     slice of their width) for every row, and one psum adds the shards."""
-    from ddtree_jax import moe as moe_lib  # pylint: disable=import-outside-toplevel
     if self.attention != "pallas":
       experts = moe_lib.grouped
     else:
-      from ddtree_jax.pallas import grouped_gemm  # pylint: disable=import-outside-toplevel
       tuning = self.tuning
       grouped = functools.partial(moe_lib.grouped, ops=grouped_gemm.expert_ops(tuning))
       by_pair = functools.partial(moe_lib.pairs, ops=grouped_gemm.pair_ops(tuning))
@@ -240,9 +139,8 @@ class Kernels:
   @functools.cached_property
   def vocab_top_k(self) -> Callable:
     """Draft logits [B, L, V], k -> the tree's top-k values and ids [B, L, k] and logsumexp
-    [B, L, 1] (`tree.vocab_top_k`); on a mesh per vocab shard (`shard_vocab_top_k`)."""
-    from ddtree_jax import tree  # pylint: disable=import-outside-toplevel
-    return tree.vocab_top_k if self.mesh is None else shard_vocab_top_k(self.mesh, self._rules)
+    [B, L, 1] (`topk.vocab_top_k`); on a mesh per vocab shard (`shard_vocab_top_k`)."""
+    return topk.vocab_top_k if self.mesh is None else shard_vocab_top_k(self.mesh, self._rules)
 
   @functools.cached_property
   def outside_verify(self) -> Kernels:
@@ -264,7 +162,6 @@ REFERENCE = Kernels()  # plain XLA on one device: the reference every kernel is 
 
 
 def _rules_or_default(rules):
-  from ddtree_jax import sharding  # pylint: disable=import-outside-toplevel
   return rules or sharding.DEFAULT_RULES
 
 
@@ -279,7 +176,7 @@ def _head_axes(mesh, rules, b: int, hq: int, hkv: int):
 
 
 def shard_attention(attn_fn: Callable, mesh, rules=None) -> Callable:
-  """An attention with the `attention.attend_xla` contract, run per shard in shard_map.
+  """An attention with the `attention_lib.attend_xla` contract, run per shard in shard_map.
 
   Batch over dp (when it divides), query heads q [B, T, N, D] on N and caches [B, K, S, D] (or
   [L, B, K, S, D] with `layer`) / new rows [B, T, K, D] on K over tp; prefix_len [B] and new_mask
@@ -320,18 +217,17 @@ def shard_attention(attn_fn: Callable, mesh, rules=None) -> Callable:
 
 def shard_qk_norm_rope(qk_fn: Callable, mesh, rules=None) -> Callable:
   """`project_qkv` on a mesh: the projections as GSPMD partitions them, then `qk_fn` (a q/k norm +
-  RoPE with the `model.norm_rope` contract) per shard: q [B, T, N, D] split on N, kv
+  RoPE with the `attention.norm_rope` contract) per shard: q [B, T, N, D] split on N, kv
   [B, T, 2, K, D] on K (when kv heads split with the q heads, else whole on every device), and
   everything with cos/sin [B, T, D] on B over dp when it divides. No communication."""
-  from ddtree_jax import model  # pylint: disable=import-outside-toplevel
   rules = _rules_or_default(rules)
 
   def wrapped(layer, h, cos, sin, *, eps):
     if layer.wqkv is not None:
-      raise ValueError("fused q/k/v weights (model.fuse_qkv) are for one device only: on a "
-                       "mesh use unfused params (checkpoint.load_target(..., fuse_qkv=False))")
-    q = model.dense("bth,hnd->btnd", h, layer.wq)
-    kv = model.dense("bth,hskd->btskd", h, layer.wkv)
+      raise ValueError("fused q/k/v weights (decoder.fuse_qkv) are for one device only: on a "
+                       "mesh use unfused params (load_target(..., fuse_qkv=False))")
+    q = dense("bth,hnd->btnd", h, layer.wq)
+    kv = dense("bth,hskd->btskd", h, layer.wkv)
     q_norm, k_norm = layer.q_norm, layer.k_norm
     bt, hd, kv_ax = _head_axes(mesh, rules, q.shape[0], q.shape[2], kv.shape[3])
     local = lambda *a: qk_fn(*a, eps=eps)
@@ -350,7 +246,6 @@ def shard_moe(experts: Callable, mesh, rules=None) -> Callable:
   rules.mlp (where those divide); rows and the router replicated (rows over dp when it
   divides). Each device routes every row (the same choice everywhere), runs the pairs that fall
   on its experts (the others get weight 0) and one psum adds the shards' outputs."""
-  from ddtree_jax import moe as moe_lib  # pylint: disable=import-outside-toplevel
   rules = _rules_or_default(rules)
 
   def wrapped(params, x, *, routing):
@@ -382,10 +277,12 @@ def shard_moe(experts: Callable, mesh, rules=None) -> Callable:
 
 
 def shard_embed_lookup(mesh, rules=None) -> Callable:
-  """`model.embed_lookup` for a vocab-split table [V, H], per shard: each device looks up the ids
+  """`ops.embed_lookup` for a vocab-split table [V, H], per shard: each device looks up the ids
   in its slice of V (zero rows elsewhere) and a psum adds the slices, one all-reduce of [..., H]
-  (left to GSPMD, the whole table was all-gathered every step: WORKSPACE.md, Findings: Tensor
-  parallelism). Token ids [B, ...] keep their batch split over dp when it divides."""
+  (left to GSPMD, the whole table was all-gathered every step:
+  docs/findings/tensor-parallelism.md). Token ids [B, ...] keep their batch split over dp when
+  it divides. A padded table (`sharding.pad_vocab`) splits like any other: ids are < V, so its
+  padding rows are never read."""
   rules = _rules_or_default(rules)
 
   def lookup(table, tokens):
@@ -412,27 +309,35 @@ def shard_embed_lookup(mesh, rules=None) -> Callable:
 
 
 def shard_vocab_top_k(mesh, rules=None) -> Callable:
-  """`tree.vocab_top_k` for vocab-split logits [B, L, V], per shard: each device takes the top k
+  """`topk.vocab_top_k` for vocab-split logits [B, L, V], per shard: each device takes the top k
   of its slice of V (global ids) and its slice's max and sum of exp, one all-gather brings every
   shard's, and each device merges them: the top k of the tp * k candidates (laid out by shard,
   so ties still go to the lower id: exactly lax.top_k's values and ids) and the logsumexp.
   Left to GSPMD the tree's chunked top-k took 4 collectives, and where the chunk count did not
-  divide by tp it gathered the logits first (experiments/perf/collectives.py)."""
-  from ddtree_jax import tree  # pylint: disable=import-outside-toplevel
+  divide by tp it gathered the logits first (experiments/perf/collectives.py). A V that tp does
+  not divide (the logits of a padded vocabulary, `decoder.lm_head`) is padded back to the next
+  multiple, and no padding id is ever picked."""
   rules = _rules_or_default(rules)
 
   def top(logits, k):
     size = lambda name: mesh.shape[name] if name in mesh.shape else 1
-    v = logits.shape[-1]
-    voc = rules.vocab if rules.vocab in mesh.shape and v % size(rules.vocab) == 0 else None
-    if voc is None or v // size(voc) < k:
-      return tree.vocab_top_k(logits, k)
+    voc = rules.vocab if rules.vocab in mesh.shape else None
+    extra = -logits.shape[-1] % size(voc) if voc else 0
+    if voc is None or (logits.shape[-1] + extra) // size(voc) < k:
+      return topk.vocab_top_k(logits, k)
+    # Padding on the last shard, in lm_head's own shard boundaries (its padded width). The
+    # lowest float32, not -inf: it loses every comparison with a logit (ties go to the lower,
+    # real id) and its exp is 0 in the logsumexp, and a shard of padding alone has a finite max
+    # (with -inf its sum of exp would be NaN). k <= V, so k real candidates always beat it.
+    if extra:
+      logits = jnp.pad(logits.astype(jnp.float32), [(0, 0)] * (logits.ndim - 1) + [(0, extra)],
+                       constant_values=jnp.finfo(jnp.float32).min)
     bt = rules.batch if (rules.batch in mesh.shape and rules.batch != voc
                          and logits.shape[0] % size(rules.batch) == 0) else None
 
     def local(x):
       x = x.astype(jnp.float32)
-      vals, ids = tree.top_k(x, k)
+      vals, ids = topk.top_k(x, k)
       ids = ids + jax.lax.axis_index(voc) * x.shape[-1]
       m = jnp.max(x, axis=-1, keepdims=True)
       s = jnp.sum(jnp.exp(x - m), axis=-1, keepdims=True)

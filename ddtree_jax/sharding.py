@@ -3,11 +3,15 @@
 Mesh axes: "tp" splits heads, MLP width and vocab; optional "dp" splits the batch and "ep" a MoE
 layer's experts (its expert width also over "tp"). A
 `ShardingRules` maps the logical axes to mesh axes; the functions below turn a params / cache /
-decode-state pytree into a matching pytree of NamedShardings. Layouts (model.py, drafter.py):
+decode-state pytree into a matching pytree of NamedShardings. Each pytree type states its own
+layout (its `partition_specs(axes)` method, beside its layer kind: models/decoder.py, mla.py,
+moe.py, drafter.py; spec/decode.py for the decode state), through `Axes`, which maps a logical
+axis to a mesh axis. The layouts:
 
   wq [H, N, D] split N     wkv [H, 2, K, D] split K    wo [N, D, H] split N (row parallel:
   w_gate_up [H, 2, I] split I    w_down [I, H] split I      XLA inserts the all-reduce)
-  embed [V, H], lm_head [H, V] split V (argmax/top-k still return global ids)
+  embed [V, H], lm_head [H, V] split V, padded where V does not divide (argmax/top-k still
+  return global ids)
   norms, q_norm, k_norm replicated; drafter fc [k*H, H] split on its output columns when its
   kv heads split (replicated when they are)
   an int8 drafter's Int8Weight: q (K-major) and scale split like the float weight's dims
@@ -22,10 +26,13 @@ kernels (attention, the Pallas q/k norm + RoPE, the embedding lookup) run per sh
 `jax.shard_map`: `kernels.Kernels` with a mesh wraps them (`kernels.shard_attention`, ...).
 
 Indivisible dimensions: a dimension mapped to a mesh axis must divide by the axis size, else a
-ValueError names it; nothing is padded or sharded unevenly. Set that rule to None to replicate
-the dimension instead. In particular `ShardingRules(kv_heads=None)` replicates the K/V
-projections and caches over tp (each device holds every kv head, the usual fix when kv heads <
-tp); `kernels.shard_attention` then hands each device only the kv heads its own query heads use.
+ValueError names it; nothing is sharded unevenly. Set that rule to None to replicate the
+dimension instead. In particular `ShardingRules(kv_heads=None)` replicates the K/V projections
+and caches over tp (each device holds every kv head, the usual fix when kv heads < tp);
+`kernels.shard_attention` then hands each device only the kv heads its own query heads use.
+The vocabulary is padded instead: placing params (`shard_params`, `hf.load_target`) zero-pads
+it to the next multiple of the vocab axis (`pad_vocab`), as vLLM and SGLang pad their
+vocabulary shards, and the logits drop the padding again (`decoder.lm_head`).
 
 Multi-host: call `initialize_distributed` (or `mesh_from_flags`) on every process first; the
 mesh then spans all hosts' devices and the same code runs on each process.
@@ -40,10 +47,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from ddtree_jax.drafter import DrafterParams
-from ddtree_jax.model import Int8Weight, KVCache, LayerParams, Params
-from ddtree_jax.mla import MLAParams
-from ddtree_jax.moe import MoEParams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,144 +106,41 @@ def check_mesh(mesh: Mesh) -> Mesh:
   return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
 
 
-def _axis(mesh: Mesh, rules: ShardingRules, field: str, size: int, what: str):
-  """The mesh axis for logical axis `field` of a dimension of `size`, or None (replicated).
-  Raises ValueError when the axis size does not divide `size`."""
-  name = getattr(rules, field)
-  if name is None or name not in mesh.shape:
-    return None
-  if size % mesh.shape[name]:
-    raise ValueError(f"{what} ({size}) is not divisible by mesh axis {name!r} of size "
-                     f"{mesh.shape[name]}; use a mesh that divides it, or "
-                     f"ShardingRules({field}=None) to replicate it")
-  return name
+@dataclasses.dataclass(frozen=True)
+class Axes:
+  """Logical axes -> axes of one mesh under one set of rules: what a pytree's
+  `partition_specs(axes)` asks for its dimensions."""
+  mesh: Mesh
+  rules: ShardingRules
 
+  def __call__(self, field: str, size: int, what: str) -> str | None:
+    """The mesh axis for logical axis `field` (a ShardingRules field) of a dimension of `size`,
+    or None (replicated). Raises ValueError when the axis size does not divide `size`."""
+    name = getattr(self.rules, field)
+    if name is None or name not in self.mesh.shape:
+      return None
+    if size % self.mesh.shape[name]:
+      raise ValueError(f"{what} ({size}) is not divisible by mesh axis {name!r} of size "
+                       f"{self.mesh.shape[name]}; use a mesh that divides it, or "
+                       f"ShardingRules({field}=None) to replicate it")
+    return name
 
-# --------------------------------------------------------------------------------------------
-# PartitionSpec pytrees
+  def divides(self, field: str, size: int) -> bool:
+    """Whether `size` can split over `field`'s mesh axis (True when it is not split at all)."""
+    return size % self.size(field) == 0
 
-
-def _w(w, *spec):
-  """The spec of a weight [in..., out...]; an Int8Weight's q [out..., in...] and scale [out...]
-  take the same axes."""
-  if isinstance(w, Int8Weight):
-    n_in = len(spec) - w.scale.ndim
-    return Int8Weight(q=P(*spec[n_in:], *spec[:n_in]), scale=P(*spec[n_in:]))
-  return P(*spec)
-
-
-def _mla_specs(p: MLAParams, mesh, rules) -> MLAParams:
-  """Latent attention: heads over tp (q, W_UK, W_UV, o); the latent path replicated (the cache
-  holds one latent row per token for all heads)."""
-  hd = _axis(mesh, rules, "heads", p.w_uk.shape[1], "attention heads")
-  opt = lambda x, *spec: None if x is None else P(*spec)
-  return MLAParams(wq=opt(p.wq, None, hd, None), wq_a=opt(p.wq_a), q_a_norm=opt(p.q_a_norm),
-                   wq_b=opt(p.wq_b, None, hd, None), wkv_a=P(), kv_a_norm=P(),
-                   w_uk=P(None, hd, None), w_uv=P(None, hd, None), wo=P(hd, None, None))
-
-
-def _layer_specs(layer: LayerParams, mesh, rules) -> LayerParams:
-  if layer.wqkv is not None:
-    raise ValueError("fused q/k/v weights (model.fuse_qkv) cannot be sharded: q and kv heads "
-                     "split on their own axes; shard unfused params (checkpoint.load_target("
-                     "..., fuse_qkv=False), or give load_target the mesh)")
-  opt = lambda x: None if x is None else P()
-  mlp = {}
-  if layer.w_down is not None:  # the dense MLP, or DeepSeek's shared experts beside the experts
-    ml = _axis(mesh, rules, "mlp", layer.w_down.shape[0], "intermediate_size")
-    mlp = dict(w_gate_up=_w(layer.w_gate_up, None, None, ml), w_down=_w(layer.w_down, ml, None))
-  if layer.moe is not None:
-    e, _, _, i = layer.moe.w_gate_up.shape
-    ep = _axis(mesh, rules, "experts", e, "num_experts")
-    ml = _axis(mesh, rules, "mlp", i, "moe_intermediate_size")
-    mlp = dict(dict(w_gate_up=None, w_down=None), **mlp, moe=MoEParams(
-        router=P(), w_gate_up=P(ep, None, None, ml), w_down=P(ep, ml, None),
-        bias=opt(layer.moe.bias)))
-  if layer.mla is not None:
-    return LayerParams(input_norm=P(), wq=None, wkv=None, wo=None, q_norm=None, k_norm=None,
-                       post_norm=P(), mla=_mla_specs(layer.mla, mesh, rules), **mlp)
-  hd = _axis(mesh, rules, "heads", layer.wq.shape[1], "query heads")
-  kv = _axis(mesh, rules, "kv_heads", layer.wkv.shape[2], "kv heads")
-  return LayerParams(input_norm=P(), wq=_w(layer.wq, None, hd, None),
-                     wkv=_w(layer.wkv, None, None, kv, None), wo=_w(layer.wo, hd, None, None),
-                     q_norm=opt(layer.q_norm), k_norm=opt(layer.k_norm), post_norm=P(), **mlp)
-
-
-def _param_specs(params: Params, mesh, rules) -> Params:
-  voc = _axis(mesh, rules, "vocab", params.embed.shape[0], "vocab_size")
-  return Params(embed=P(voc, None), layers=[_layer_specs(l, mesh, rules) for l in params.layers],
-                final_norm=P(), lm_head=None if params.lm_head is None else P(None, voc))
-
-
-def _drafter_specs(params: DrafterParams, mesh, rules) -> DrafterParams:
-  """As the target's, and fc split on its output columns only when the layers' kv heads split:
-  its output feeds their k/v projections, and with those replicated a split fc output made GSPMD
-  split the drafter's residual stream over H (12 collectives per drafter layer instead of 2 at
-  the Qwen3-30B-A3B shape on tp=8: experiments/perf/collectives.py)."""
-  fc = _axis(mesh, rules, "fc", params.fc.shape[1], "drafter fc output (hidden_size)")
-  if _axis(mesh, rules, "kv_heads", params.layers[0].wkv.shape[2], "drafter kv heads") is None:
-    fc = None
-  head = params.lm_head
-  if head is not None:
-    vd, name = head.shape[1], rules.vocab
-    if params.draft_vocab is not None and name in mesh.shape and vd % mesh.shape[name]:
-      head = _w(head, None, None)  # a draft vocabulary the axis does not divide: replicated
-    else:
-      head = _w(head, None, _axis(mesh, rules, "vocab", vd, "drafter lm_head vocab"))
-  ctx = params.context_wkv
-  if ctx is not None:
-    kv = _axis(mesh, rules, "kv_heads", ctx.shape[3], "drafter kv heads")
-    ctx = _w(ctx, None, None, None, kv, None)
-  return DrafterParams(fc=_w(params.fc, None, fc), hidden_norm=P(),
-                       layers=[_layer_specs(l, mesh, rules) for l in params.layers],
-                       final_norm=P(), lm_head=head, context_wkv=ctx,
-                       draft_vocab=None if params.draft_vocab is None else P())
-
-
-def _cache_specs(cache: KVCache, mesh, rules) -> KVCache:
-  bt = _axis(mesh, rules, "batch", cache.lens.shape[0], "batch")
-  latent = cache.v.shape[-1] == 0  # MLA: one latent row per token for all heads, replicated
-  kv = None if latent else _axis(mesh, rules, "kv_heads", cache.k.shape[2], "kv heads")
-  spec = P(None, bt, kv, None, None)  # [L, B, K, S, D]
-  return KVCache(k=spec, v=spec, lens=P(bt))
-
-
-# decode.DecodeState fields split over dp and the dimension that holds the batch; every other
-# field (step, key, anything unknown) is replicated.
-_STATE_BATCH_DIM = {"bonus": 0, "out": 0, "n_out": 0, "done": 0, "accepted": 1}
-
-
-def _state_specs(state, mesh, rules):
-  fields = {}
-  for f in dataclasses.fields(state):
-    x = getattr(state, f.name)
-    if x is None or isinstance(x, KVCache):
-      fields[f.name] = None if x is None else _cache_specs(x, mesh, rules)
-    elif f.name in _STATE_BATCH_DIM:
-      dim = _STATE_BATCH_DIM[f.name]
-      spec = [None] * len(x.shape)
-      spec[dim] = _axis(mesh, rules, "batch", x.shape[dim], "batch")
-      fields[f.name] = P(*spec)
-    else:
-      fields[f.name] = jax.tree.map(lambda _: P(), x)
-  return type(state)(**fields)
+  def size(self, field: str) -> int:
+    """The size of `field`'s mesh axis (1 when it is not split)."""
+    name = getattr(self.rules, field)
+    return 1 if name is None or name not in self.mesh.shape else self.mesh.shape[name]
 
 
 def specs(tree, mesh: Mesh, rules: ShardingRules | None = None):
   """PartitionSpecs for a Params, DrafterParams, LayerParams, KVCache or decode.DecodeState
   (arrays or ShapeDtypeStructs), same structure; None leaves stay None."""
-  rules = rules or DEFAULT_RULES
-  if isinstance(tree, Params):
-    return _param_specs(tree, mesh, rules)
-  if isinstance(tree, DrafterParams):
-    return _drafter_specs(tree, mesh, rules)
-  if isinstance(tree, LayerParams):
-    return _layer_specs(tree, mesh, rules)
-  if isinstance(tree, KVCache):
-    return _cache_specs(tree, mesh, rules)
-  if dataclasses.is_dataclass(tree) and hasattr(tree, "cache") and hasattr(tree, "bonus"):
-    return _state_specs(tree, mesh, rules)
-  raise TypeError(f"no sharding layout for {type(tree).__name__}")
+  if not hasattr(tree, "partition_specs"):
+    raise TypeError(f"no sharding layout for {type(tree).__name__}")
+  return tree.partition_specs(Axes(mesh, rules or DEFAULT_RULES))
 
 
 def shardings(tree, mesh: Mesh, rules: ShardingRules | None = None):
@@ -250,10 +150,51 @@ def shardings(tree, mesh: Mesh, rules: ShardingRules | None = None):
 
 
 def shard_params(tree, mesh: Mesh | None, rules: ShardingRules | None = None):
-  """Places params (target or drafter), a cache or a decode state on the mesh (None: as is)."""
+  """Places params (target or drafter; their vocabulary padded: `pad_vocab`), a cache or a
+  decode state on the mesh (None: as is)."""
   if mesh is None:
     return tree
+  tree = pad_vocab(tree, mesh, rules)
   return jax.device_put(tree, shardings(tree, check_mesh(mesh), rules))
+
+
+def pad_vocab(tree, mesh: Mesh | None, rules: ShardingRules | None = None):
+  """Params (target or drafter; device arrays or host views) whose vocabulary the vocab axis
+  does not divide, zero-padded to its next multiple (the pytree's `pad_vocab`: embedding rows
+  and lm_head columns past V are zero, and the logits slice them off). Both placements call it:
+  `shard_params` (device arrays) and `hf.load_target` / `load_drafter` (host tensors, padded
+  lazily: a device still reads only its shard). Other trees, or no mesh: as they are."""
+  if mesh is None or not hasattr(tree, "pad_vocab"):
+    return tree
+  multiple = Axes(check_mesh(mesh), rules or DEFAULT_RULES).size("vocab")
+  return tree if multiple == 1 else tree.pad_vocab(multiple, _pad_to)
+
+
+def _pad_to(x, axis: int, size: int):
+  """x zero-padded to `size` along `axis`: on its devices for a jax.Array, else a lazy view of
+  the host tensor (`_ZeroPadded`)."""
+  if isinstance(x, jax.Array):
+    return jnp.pad(x, [(0, size - x.shape[axis]) if a == axis else (0, 0) for a in range(x.ndim)])
+  return _ZeroPadded(x, axis, size)
+
+
+class _ZeroPadded:
+  """A host tensor (numpy array or lazy view) zero-padded along `axis` to `size`, lazily: a shard
+  reads only the tensor's part of it. Indexed as make_array_from_callback indexes: one
+  contiguous slice per dimension."""
+
+  def __init__(self, base, axis: int, size: int):
+    self.base, self.axis = base, axis
+    self.shape = tuple(base.shape[:axis]) + (size,) + tuple(base.shape[axis + 1:])
+
+  def __getitem__(self, idx):
+    start, stop, _ = idx[self.axis].indices(self.shape[self.axis])
+    n = self.base.shape[self.axis]
+    inside = slice(min(start, n), min(stop, n))
+    part = np.asarray(self.base[idx[:self.axis] + (inside,) + idx[self.axis + 1:]])
+    widths = [(0, 0)] * part.ndim
+    widths[self.axis] = (0, stop - start - part.shape[self.axis])
+    return np.pad(part, widths)
 
 
 def constrain(tree, mesh: Mesh | None, rules: ShardingRules | None = None):
@@ -287,7 +228,7 @@ def put_batch(x: np.ndarray, mesh: Mesh | None, rules: ShardingRules | None = No
   """Host array [B, ...] -> device array with B over dp (each process supplies its shards)."""
   if mesh is None:
     return jnp.asarray(x)
-  bt = _axis(mesh, rules or DEFAULT_RULES, "batch", x.shape[0], "batch")
+  bt = Axes(mesh, rules or DEFAULT_RULES)("batch", x.shape[0], "batch")
   sh = NamedSharding(mesh, P(bt, *[None] * (x.ndim - 1)))
   return jax.make_array_from_callback(x.shape, sh, lambda idx: x[idx])
 
@@ -376,5 +317,5 @@ def rules_from_flags() -> ShardingRules:
 
 __all__ = ["DEFAULT_RULES", "LAYOUTS", "ShardingRules", "batch_multiple", "check_mesh",
            "constrain", "define_layout_flag", "define_mesh_flags", "initialize_distributed",
-           "make_mesh", "mesh_from_flags", "pad_batch", "put_batch", "replicate",
+           "make_mesh", "mesh_from_flags", "pad_batch", "pad_vocab", "put_batch", "replicate",
            "rules_from_flags", "shard_params", "shardings", "specs", "to_host"]

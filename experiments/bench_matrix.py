@@ -32,7 +32,7 @@ import time
 import numpy as np
 from absl import flags
 
-from ddtree_jax import files as ddfiles
+from ddtree_jax.checkpoints import files as ddfiles
 from experiments import workflow
 
 CSV_FIELDS = ("batch", "method", "budget", "dtype", "attention", "prompt_tokens", "max_new_tokens",
@@ -49,8 +49,9 @@ def _round_up(x: int, m: int) -> int:
 
 def stage_ms(cfg, target, drafter, prompts, method, budget) -> dict:
   """Per-stage times (ms) of one step on the prefill state of `prompts`, each stage compiled on
-  its own (ddtree_jax.profiling.stage_seconds), with the loop config `generate` would use."""
-  from ddtree_jax import engine, profiling  # pylint: disable=import-outside-toplevel
+  its own (ddtree_jax.tools.profiling.stage_seconds), with the loop config `generate` would use."""
+  from ddtree_jax import engine
+  from ddtree_jax.tools import profiling  # pylint: disable=import-outside-toplevel
   dcfg = drafter.config if method != "ar" else None
   dparams = drafter.params if method != "ar" else None
   state, lc = engine.prefill_state(target, prompts,

@@ -6,7 +6,7 @@
 
 Each problem is a prompt (signature + docstring, the model writing its newline) and hidden tests (inputs and
 expected outputs). The model's completion is cut to the function body (indented lines, up to the
-first dedent or a stop marker), appended to the prompt and executed by ddtree_jax.sandbox: a fresh
+first dedent or a stop marker), appended to the prompt and executed by ddtree_jax.tools.sandbox: a fresh
 `python -I -S` with an empty environment in a fresh temp dir, rlimits (CPU, memory, file size,
 files), an audit hook blocking fork/exec/subprocess/sockets/ctypes and any write outside the temp
 dir, a wall-clock kill of the process group and, where available, no network namespace. The
@@ -25,7 +25,8 @@ from typing import Callable
 
 from experiments import workflow
 
-from ddtree_jax import files, sandbox
+from ddtree_jax.checkpoints import files
+from ddtree_jax.tools import sandbox
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,7 @@ Without a drafter in the config a random one is used (--config.random_drafter=Tr
 import json
 import os
 
-from ddtree_jax import files
+from ddtree_jax.checkpoints import files
 from experiments import workflow
 
 
@@ -20,7 +20,7 @@ def run(cfg, out_path=None) -> dict:
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-  from ddtree_jax import viz  # pylint: disable=import-outside-toplevel
+  from ddtree_jax.tools import viz  # pylint: disable=import-outside-toplevel
   if not cfg.drafter and not cfg.random_drafter:
     cfg.random_drafter = True
   if "ddtree" not in workflow.parse_methods(cfg.methods):

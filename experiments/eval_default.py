@@ -3,7 +3,7 @@
   python -m experiments.eval_default [--model_dir=ddtree_jax/default_model] [--batch_size=1]
 
 Prompts: `num_prompts` windows of `prompt_min`..`prompt_max` tokens that start at a line of the
-held-out stdlib files (ddtree_jax/data.py split). Runs AR, chain and DDTree at each budget at T=0,
+held-out stdlib files (ddtree_jax/training/data.py split). Runs AR, chain and DDTree at each budget at T=0,
 checks that every method's output equals AR's token for token (float32: asserted; otherwise counted),
 prints a table (tau, tokens/s, speed-up vs AR) and writes a JSON.
 """
@@ -19,8 +19,10 @@ from absl import logging
 import numpy as np
 
 import ddtree_jax as dj
-from ddtree_jax import data, engine, files
-from ddtree_jax import drafter as drafter_lib
+from ddtree_jax import engine
+from ddtree_jax.training import data
+from ddtree_jax.checkpoints import files
+from ddtree_jax.models import drafter as drafter_lib
 from experiments import quality as quality_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

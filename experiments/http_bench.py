@@ -32,7 +32,7 @@ import os
 import statistics
 import time
 
-from ddtree_jax import files
+from ddtree_jax.checkpoints import files
 
 
 def _one(client, model: str, prompt: str, max_tokens: int, temperature: float = 0.0,
@@ -156,7 +156,7 @@ def main(_):
             for x in f.in_process.split(",") if x]
     target, drafter = workflow.load_models(cfg)
     if f.tokenizer:  # a random target's prompts encoded as the server encodes them
-      from ddtree_jax import checkpoint  # pylint: disable=import-outside-toplevel
+      from ddtree_jax.checkpoints import hf as checkpoint  # pylint: disable=import-outside-toplevel
       target = dataclasses.replace(target, tokenizer=checkpoint.load_tokenizer(f.tokenizer))
     _append(f.json_out, in_process(cfg, target, drafter, runs, f.capacity or None,
                                    label=f.label))

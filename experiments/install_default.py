@@ -15,7 +15,7 @@ from absl import flags
 from absl import logging
 
 import ddtree_jax as dj
-from ddtree_jax import data
+from ddtree_jax.training import data
 
 _WORKDIR = flags.DEFINE_string("workdir", "out/train_default", "training workdir")
 _OUT = flags.DEFINE_string("out", "ddtree_jax/default_model", "install folder")

@@ -22,7 +22,10 @@ from absl import app, flags, logging
 import uvicorn
 
 from experiments import workflow
-from ddtree_jax import checkpoint, engine, server, slots
+from ddtree_jax import engine
+from ddtree_jax.checkpoints import hf as checkpoint
+from ddtree_jax.serving import server
+from ddtree_jax.serving import slots
 
 
 def slot_config(cfg) -> slots.SlotConfig:

@@ -24,9 +24,15 @@ import jax.numpy as jnp
 import numpy as np
 
 import ddtree_jax as dj
-from ddtree_jax import checkpoint, data, engine, files, hf_export, train_loop, training
-from ddtree_jax.config import config_from_hf
-from ddtree_jax.drafter import DrafterConfig, default_target_layer_ids
+from ddtree_jax import engine
+from ddtree_jax.checkpoints import hf as checkpoint
+from ddtree_jax.training import data
+from ddtree_jax.checkpoints import files
+from ddtree_jax.checkpoints import export as hf_export
+from ddtree_jax.training import loop as train_loop
+from ddtree_jax.training import losses as training
+from ddtree_jax.models.registry import config_from_hf
+from ddtree_jax.models.drafter import DrafterConfig, default_target_layer_ids
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/train_drafter.py", "run configuration")
 

@@ -2,7 +2,7 @@
 
   python -m experiments.train_target --config=configs/train_target.py[:smoke]
 
-Trains with ddtree_jax.model's own forward (ddtree_jax.training), resumes from the latest orbax
+Trains with ddtree_jax.models.decoder's own forward (ddtree_jax.training.losses), resumes from the latest orbax
 checkpoint in `workdir`/target/checkpoints, and exports a Hugging Face Qwen3 directory to
 `workdir`/target/hf (loadable by dj.load_target). Also writes `workdir`/target/{metrics.json,
 loss.png}. The last line printed is one JSON summary.
@@ -22,8 +22,14 @@ import jax.numpy as jnp
 import numpy as np
 
 import ddtree_jax as dj
-from ddtree_jax import checkpoint, data, engine, hf_export, model, train_loop, training
-from ddtree_jax.config import ModelConfig
+from ddtree_jax import engine
+from ddtree_jax.checkpoints import hf as checkpoint
+from ddtree_jax.training import data
+from ddtree_jax.checkpoints import export as hf_export
+from ddtree_jax.models import decoder
+from ddtree_jax.training import loop as train_loop
+from ddtree_jax.training import losses as training
+from ddtree_jax.models.config import ModelConfig
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/train_target.py", "run configuration")
 
@@ -64,7 +70,7 @@ def main(_):
   tc = cfg.train
   length = cfg.model.seq_len + 1
   cdt = checkpoint.parse_dtype(tc.compute_dtype)
-  params = model.init_params(mcfg, jax.random.key(cfg.seed), jnp.float32, cfg.model.init_std)
+  params = decoder.init_params(mcfg, jax.random.key(cfg.seed), jnp.float32, cfg.model.init_std)
   n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
   print(f"target: {n_params / 1e6:.2f}M params, {len(train_tokens)} train tokens "
         f"({len(train_tokens) / (tc.batch_size * length):.0f} steps/epoch), "

@@ -1,5 +1,5 @@
 """Step 1 of `make train`: byte-level BPE tokenizer + token caches of the corpus (the stdlib and
-the project's dependencies' sources, ddtree_jax/data.py).
+the project's dependencies' sources, ddtree_jax/training/data.py).
 
   python -m experiments.train_tokenizer --config=configs/train_target.py[:smoke]
 
@@ -11,7 +11,7 @@ import time
 from absl import app
 from ml_collections import config_flags
 
-from ddtree_jax import data
+from ddtree_jax.training import data
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/train_target.py", "run configuration")
 

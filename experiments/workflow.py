@@ -19,12 +19,14 @@ from typing import Any, Sequence
 import ml_collections
 import numpy as np
 
+from ddtree_jax.request import MAX_BUDGET, GenerateOptions, RequestError
+from ddtree_jax.spec.decode import METHODS
+from experiments.perf import harness
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-METHODS = ("ar", "chain", "ddtree")
-MIN_BUDGET, MAX_BUDGET = 1, 1024
+MIN_BUDGET = 1
 DTYPES = ("float32", "bfloat16", "float16")
-ATTENTIONS = ("", "xla", "pallas")
 DEFAULT_CONFIG = os.path.join(REPO, "configs", "default.py")
 
 
@@ -143,17 +145,17 @@ def define_config(default: str = "configs/default.py", flag: str = "config"):
 
 def run_app(main) -> None:
   """absl.app.run(main) with the persistent compilation cache on as the flags say; a bad config
-  or request (ConfigError, validation.RequestError, a CheckpointError) exits with its message
-  only, no traceback."""
+  or request (ConfigError, request.RequestError, a CheckpointError) exits with its message only,
+  no traceback."""
   from absl import app  # pylint: disable=import-outside-toplevel
-  from ddtree_jax import engine, validation  # pylint: disable=import-outside-toplevel
-  from ddtree_jax.safetensors_io import CheckpointError  # pylint: disable=import-outside-toplevel
+  from ddtree_jax import engine
+  from ddtree_jax.checkpoints.safetensors_io import CheckpointError  # pylint: disable=import-outside-toplevel
 
   def wrapped(argv):
     engine.compilation_cache_from_flags()
     try:
       return main(argv)
-    except (ConfigError, validation.RequestError, CheckpointError) as e:
+    except (ConfigError, RequestError, CheckpointError) as e:
       sys.exit(f"error: {e}")
   app.run(wrapped)
 
@@ -219,21 +221,18 @@ def validate(cfg, *, needs_drafter_for_spec: bool = True, baselines: bool | None
     raise ConfigError("batches is empty; valid batches: integers >= 1 (comma list)")
   if cfg.dtype not in DTYPES:
     raise ConfigError(f"unknown dtype {cfg.dtype!r}; valid dtypes: {', '.join(DTYPES)}")
-  if cfg.attention not in ATTENTIONS:
-    raise ConfigError(f"unknown attention {cfg.attention!r}; valid: '' (engine default), xla, "
-                      "pallas")
-  for key, lo in (("max_new_tokens", 1), ("repeats", 1), ("profile_repeats", 1),
-                  ("compile_threads", 1),
-                  ("prompt_len", 0), ("topk_cap", 0), ("steps_per_check", 1),
-                  ("coding.max_new_tokens", 1),
+  for key, lo in (("repeats", 1), ("profile_repeats", 1), ("compile_threads", 1),
+                  ("prompt_len", 0), ("topk_cap", 0), ("coding.max_new_tokens", 1),
                   ("coding.memory_mb", 16)):
     v = cfg
     for p in key.split("."):
       v = v[p]
     if not isinstance(v, int) or v < lo:
       raise ConfigError(f"{key} must be an integer >= {lo}, got {v!r}")
-  if cfg.temperature < 0:
-    raise ConfigError(f"temperature must be >= 0, got {cfg.temperature}")
+  try:  # the generate options, as the engine checks them
+    generate_options(cfg, "ar", None).check_values()
+  except RequestError as e:
+    raise ConfigError(f"{e} (--config.{e.field})") from None
   if cfg.near_tie_eps < 0:
     raise ConfigError(f"near_tie_eps must be >= 0, got {cfg.near_tie_eps}")
   if cfg.coding.timeout_s <= 0:
@@ -280,7 +279,7 @@ def validate(cfg, *, needs_drafter_for_spec: bool = True, baselines: bool | None
 
 
 def model_config_from_shape(shape):
-  from ddtree_jax.config import ModelConfig  # pylint: disable=import-outside-toplevel
+  from ddtree_jax.models.config import ModelConfig  # pylint: disable=import-outside-toplevel
   return ModelConfig(
       model_type=shape.model_type, vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
       intermediate_size=shape.intermediate_size, num_layers=shape.num_layers,
@@ -290,48 +289,16 @@ def model_config_from_shape(shape):
       max_position_embeddings=1 << 20)
 
 
-SMALL_PARAMS = 1 << 26  # below this many parameters random weights are drawn on the host
-
-
-def random_like(abstract, seed: int, std: float = 0.02):
-  """Random weights for a params pytree of ShapeDtypeStructs: 1-D leaves (norms) are ones,
-  the others N(0, std^2). Small trees are drawn with numpy (no compile), large ones by one jitted
-  program on the device."""
-  import functools  # pylint: disable=import-outside-toplevel
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  leaves, treedef = jax.tree.flatten(abstract)
-  if sum(int(np.prod(l.shape)) for l in leaves) <= SMALL_PARAMS:
-    rng = np.random.default_rng(seed)
-    vals = [np.ones(l.shape, np.float32) if len(l.shape) == 1
-            else std * rng.standard_normal(l.shape, dtype=np.float32) for l in leaves]
-    return jax.tree.unflatten(treedef, [jnp.asarray(v, l.dtype) for v, l in zip(vals, leaves)])
-
-  @functools.partial(jax.jit)
-  def init(key):
-    keys = jax.random.split(key, len(leaves))
-    return jax.tree.unflatten(treedef, [
-        jnp.ones(l.shape, l.dtype) if len(l.shape) == 1
-        else (std * jax.random.normal(k, l.shape, jnp.float32)).astype(l.dtype)
-        for k, l in zip(keys, leaves)])
-  return init(jax.random.key(seed, impl="unsafe_rbg"))
-
-
 def random_target(shape, dtype="bfloat16", seed: int = 0, mesh=None, fuse_qkv: bool = True):
   """A Target of random weights with the architecture `shape` (no tokenizer, no eos); on one
   device its q/k/v weights fused as `checkpoint.load_target` does (unless fuse_qkv=False)."""
-  import functools  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
-  from ddtree_jax import checkpoint, model, sharding  # pylint: disable=import-outside-toplevel
+  from ddtree_jax import sharding
+  from ddtree_jax.checkpoints import hf as checkpoint
   cfg = model_config_from_shape(shape)
-  abstract = jax.eval_shape(functools.partial(model.init_params, cfg,
-                                              dtype=checkpoint.parse_dtype(dtype)),
-                            jax.random.key(0))
-  params = random_like(abstract, seed)
   rules = sharding.DEFAULT_RULES if mesh is not None else None
-  params = sharding.shard_params(params, mesh, rules)
-  if mesh is None and fuse_qkv:
-    params = model.fuse_qkv(params)
+  params = harness.random_target(cfg, jax.random.key(seed), mesh, fuse_qkv, rules,
+                                 checkpoint.parse_dtype(dtype))
   return checkpoint.Target(params=params, config=cfg, tokenizer=None,
                            path=f"random:{shape.model_type}", mesh=mesh, rules=rules)
 
@@ -339,9 +306,9 @@ def random_target(shape, dtype="bfloat16", seed: int = 0, mesh=None, fuse_qkv: b
 def random_drafter(target, shape, seed: int = 1, std: float = 0.02):
   """A random DFlash drafter (Qwen3-style layers, the target's width) for `target`."""
   import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from ddtree_jax import checkpoint, model, sharding  # pylint: disable=import-outside-toplevel
-  from ddtree_jax import drafter as drafter_lib  # pylint: disable=import-outside-toplevel
+  from ddtree_jax import sharding
+  from ddtree_jax.checkpoints import hf as checkpoint
+  from ddtree_jax.models import drafter as drafter_lib  # pylint: disable=import-outside-toplevel
   tcfg = target.config
   lcfg = dataclasses.replace(tcfg, num_layers=shape.num_layers, model_type="qwen3", qk_norm=True)
   ids = tuple(int(x) for x in str(shape.target_layer_ids).split(",") if x.strip())
@@ -362,14 +329,7 @@ def random_drafter(target, shape, seed: int = 1, std: float = 0.02):
     raise ConfigError(f"drafter_shape.block_size must be >= 2, got {shape.block_size}")
   dcfg = drafter_lib.DrafterConfig(layers=lcfg, block_size=shape.block_size, mask_token_id=mask,
                                    target_layer_ids=ids)
-  dtype = target.dtype
-  small = dataclasses.replace(lcfg, vocab_size=8, tie_word_embeddings=True)  # layers only
-  h = tcfg.hidden_size
-  abstract = jax.eval_shape(lambda k: drafter_lib.DrafterParams(
-      fc=jnp.zeros((len(ids) * h, h), dtype), hidden_norm=jnp.ones((h,), dtype),
-      layers=model.init_params(small, k, dtype).layers, final_norm=jnp.ones((h,), dtype)),
-      jax.random.key(0))
-  params = random_like(abstract, seed, std)
+  params = harness.random_drafter_params(tcfg, dcfg, jax.random.key(seed), target.dtype, std)
   params = sharding.shard_params(params, target.mesh, target.rules)
   return checkpoint.Drafter(params=params, config=dcfg, path="random")
 
@@ -386,7 +346,7 @@ def load_models(cfg, mesh=None):
   if cfg.drafter:
     drafter = dj.load_drafter(cfg.drafter, target, int8=cfg.drafter_int8, draft_vocab=vocab)
   elif cfg.random_drafter:
-    from ddtree_jax import checkpoint  # pylint: disable=import-outside-toplevel
+    from ddtree_jax.checkpoints import hf as checkpoint  # pylint: disable=import-outside-toplevel
     drafter = random_drafter(target, cfg.drafter_shape, cfg.seed + 1, cfg.drafter_shape.init_std)
     drafter = dataclasses.replace(drafter, params=checkpoint.derive_drafter_params(
         drafter.params, target, int8=cfg.drafter_int8, draft_vocab=vocab))
@@ -426,13 +386,20 @@ def make_prompts(cfg, target, batch: int) -> list[list[int]]:
   return [enc(texts[i % len(texts)]) for i in range(batch)]
 
 
+def generate_options(cfg, method: str, budget: int | None) -> GenerateOptions:
+  """The generate options of one run of the config (its "" and 0 are the options' None, its
+  ignore_eos no stop ids)."""
+  return GenerateOptions(
+      method=method, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+      seed=cfg.seed, budget=budget, topk_cap=(cfg.topk_cap or None) if method == "ddtree" else None,
+      attention=cfg.attention or None, stop_token_ids=() if cfg.ignore_eos else None,
+      steps_per_check=cfg.steps_per_check)
+
+
 def generate_kwargs(cfg, method: str, budget: int | None, drafter) -> dict:
   """Keyword arguments of dj.generate for one run of the config."""
-  return dict(method=method, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-              seed=cfg.seed, drafter=drafter if method != "ar" else None, budget=budget,
-              topk_cap=(cfg.topk_cap or None) if method == "ddtree" else None,
-              attention=cfg.attention or None, stop_token_ids=() if cfg.ignore_eos else None,
-              steps_per_check=cfg.steps_per_check)
+  return dict(generate_options(cfg, method, budget).kwargs(),
+              drafter=drafter if method != "ar" else None)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -446,7 +413,9 @@ def one_step(target, drafter, prompt: Sequence[int], budget: int | None, method:
   draft vocabulary), the tree (unbatched), post (the target's argmax per node), path (accepted
   node ids, root first), tau, emitted tokens, bonus."""
   import jax  # pylint: disable=import-outside-toplevel
-  from ddtree_jax import decode, engine, verify  # pylint: disable=import-outside-toplevel
+  from ddtree_jax import engine
+  from ddtree_jax.spec import decode
+  from ddtree_jax.spec import verify  # pylint: disable=import-outside-toplevel
   dcfg = drafter.config
   state, lc = engine.prefill_state(
       target, [list(prompt)], method=method, max_new_tokens=dcfg.num_drafts + 2,

@@ -18,9 +18,8 @@ FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf")
 def _free_compiled_programs():
   """Drops every compiled program after each test module. XLA:CPU maps memory for each compiled
   executable; kept alive by engine's program cache and JAX's caches they add up over a pytest
-  worker's modules. One worker that ran test_decode then test_sharding held 42,680 mappings, and
-  near the end of the suite a compile crossed Linux's default limit of 65,530
-  (vm.max_map_count) and segfaulted (WORKSPACE.md, Findings: Compile time)."""
+  worker's modules, until a compile crosses Linux's limit on mappings (vm.max_map_count) and
+  segfaults (docs/findings/compile-time.md)."""
   yield
   from ddtree_jax import engine  # pylint: disable=import-outside-toplevel
   engine._PROGRAMS.clear()  # pylint: disable=protected-access

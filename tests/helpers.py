@@ -11,7 +11,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from ddtree_jax import kernels as kernels_lib
-from ddtree_jax.drafter import DrafterConfig
+from ddtree_jax.models.drafter import DrafterConfig
 
 
 def write_drafter(path, target_cfg, *, num_layers=2, block_size=8, mask_token_id=5,
@@ -141,20 +141,20 @@ def oracle_counts(oracle, prompts, res):
 def cached_decode_logits(target, prompt, greedy):
   """Prompt prefill, then one cached step per given greedy token: the logits [len(greedy), V]
   of each step (what HF's generate reports as decode_logits)."""
-  from ddtree_jax import model  # pylint: disable=import-outside-toplevel
+  from ddtree_jax.models import decoder  # pylint: disable=import-outside-toplevel
   cfg, params = target.config, target.params
-  cache = model.init_target_cache(cfg, 1, 64, jnp.float32)
+  cache = decoder.init_target_cache(cfg, 1, 64, jnp.float32)
   t = len(prompt)
   pos = jnp.arange(t)[None]
-  hidden, nk, nv, _ = model.forward(params, cfg, jnp.asarray(prompt)[None], pos, cache,
-                                    model.causal_mask(jnp.array([t]), t))
-  cache = model.commit(cache, nk, nv, pos, jnp.array([t]))
-  got = [model.lm_head(params, hidden[0, -1])]
+  hidden, nk, nv, _ = decoder.forward(params, cfg, jnp.asarray(prompt)[None], pos, cache,
+                                    decoder.causal_mask(jnp.array([t]), t))
+  cache = decoder.commit(cache, nk, nv, pos, jnp.array([t]))
+  got = [decoder.lm_head(params, hidden[0, -1])]
   for tok in greedy[:-1]:
-    hidden, nk, nv, _ = model.forward(params, cfg, jnp.array([[tok]]), cache.lens[:, None],
+    hidden, nk, nv, _ = decoder.forward(params, cfg, jnp.array([[tok]]), cache.lens[:, None],
                                       cache, jnp.ones((1, 1, 1), bool))
-    cache = model.commit(cache, nk, nv, jnp.zeros((1, 1), jnp.int32), jnp.array([1]))
-    got.append(model.lm_head(params, hidden[0, 0]))
+    cache = decoder.commit(cache, nk, nv, jnp.zeros((1, 1), jnp.int32), jnp.array([1]))
+    got.append(decoder.lm_head(params, hidden[0, 0]))
   return jnp.stack(got)
 
 

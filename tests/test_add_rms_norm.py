@@ -1,5 +1,5 @@
 """The Pallas split-K sum + residual add + RMSNorm (interpret mode on CPU) against
-`model.residual_norm`, and the decode loop with it."""
+`ops.residual_norm`, and the decode loop with it."""
 
 import functools
 import os
@@ -11,7 +11,9 @@ import pytest
 
 import ddtree_jax as dj
 from conftest import FIXTURES
-from ddtree_jax import kernels, model
+from ddtree_jax import kernels
+from ddtree_jax.models import ops
+from ddtree_jax.models import decoder
 from ddtree_jax.pallas import add_rms_norm as arn
 from helpers import (abstract_h200_mesh, assert_accepted, oracle_drafter, triton_custom_calls, verify_triton_ir,
                      write_drafter)
@@ -40,7 +42,7 @@ def test_equals_xla_form(dtype, spec, a_shape, b, t, splits):
   assert "pallas_call" in str(jax.make_jaxpr(lambda *q: fn(*q[:1], a=q[1], w=q[2], norm=q[3]))(
       x, a, w, norm))
   got = arn.residual_norm(x, spec, a, w, norm, eps=1e-6, splits=splits)
-  want = model.residual_norm(x, spec, a, w, norm, eps=1e-6)
+  want = ops.residual_norm(x, spec, a, w, norm, eps=1e-6)
   for g, ref in zip(got, want):
     assert g.shape == ref.shape == x.shape and g.dtype == ref.dtype
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
@@ -49,7 +51,7 @@ def test_equals_xla_form(dtype, spec, a_shape, b, t, splits):
 
 
 def test_bf16_roundings_match_op_by_op():
-  """Given the same float32 projection, the kernel rounds as model.residual_norm does op by op:
+  """Given the same float32 projection, the kernel rounds as ops.residual_norm does op by op:
   the projection, the add, x / rms, and the weight product each to bf16 (bit for bit). The
   partials are multiples of 1/64 below 8, so their float32 sum is exact in any order."""
   rng = np.random.default_rng(1)
@@ -62,7 +64,7 @@ def test_bf16_roundings_match_op_by_op():
   for s in range(1, 4):
     y = y + partials[s]
   want_x = x + y.astype(bf)
-  want_h = model.rms_norm(want_x, norm, 1e-6)
+  want_h = ops.rms_norm(want_x, norm, 1e-6)
   np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(want_x, np.float32))
   np.testing.assert_array_equal(np.asarray(got[1], np.float32), np.asarray(want_h, np.float32))
 
@@ -70,11 +72,11 @@ def test_bf16_roundings_match_op_by_op():
 @pytest.mark.parametrize("case", ["int8", "hidden_not_pow2", "mixed_dtypes", "splits_not_dividing"])
 def test_other_inputs_take_the_xla_path(case):
   """Int8 weights (the drafter's down), a hidden size Triton cannot block, mixed dtypes and a
-  split count that does not divide the contracted dim run `model.residual_norm` as it is."""
+  split count that does not divide the contracted dim run `ops.residual_norm` as it is."""
   x, a, w, norm = _inputs(2, 3, (96,), 48 if case == "hidden_not_pow2" else 64, jnp.float32)
   splits = 4
   if case == "int8":
-    w = model.quantize_int8(w)
+    w = ops.quantize_int8(w)
   elif case == "mixed_dtypes":
     norm = norm.astype(jnp.bfloat16)
   elif case == "splits_not_dividing":
@@ -83,7 +85,7 @@ def test_other_inputs_take_the_xla_path(case):
   fn = functools.partial(arn.residual_norm, spec=DOWN_SPEC, eps=1e-6, splits=splits)
   jaxpr = str(jax.make_jaxpr(lambda x, a, w, n: fn(x, a=a, w=w, norm=n))(x, a, w, norm))
   assert "pallas_call" not in jaxpr
-  want = model.residual_norm(x, DOWN_SPEC, a, w, norm, eps=1e-6)
+  want = ops.residual_norm(x, DOWN_SPEC, a, w, norm, eps=1e-6)
   for g, ref in zip(fn(x, a=a, w=w, norm=norm), want):
     np.testing.assert_array_equal(g, ref)
 
@@ -100,15 +102,15 @@ def test_forward_hidden_and_taps_equal_xla_form(monkeypatch):
   """A 2-layer float32 target forward with the Pallas kernels, the residual kernel at every site
   (2 slices forced by the tuning), gives the XLA form's final hidden and the taps (the residual
   stream after each layer)."""
-  from ddtree_jax.config import ModelConfig
+  from ddtree_jax.models.config import ModelConfig
   cfg = ModelConfig(model_type="qwen3", vocab_size=50, hidden_size=64, intermediate_size=128,
                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=1e4)
-  params = model.init_params(cfg, jax.random.key(0), jnp.float32, std=0.1)
-  cache = model.init_cache(2, 1, 2, 16, 16, jnp.float32)
+  params = decoder.init_params(cfg, jax.random.key(0), jnp.float32, std=0.1)
+  cache = decoder.init_cache(2, 1, 2, 16, 16, jnp.float32)
   tokens = jnp.array([[3, 9, 4, 1, 7]], jnp.int32)
   pos = jnp.arange(5, dtype=jnp.int32)[None]
-  mask = model.causal_mask(jnp.array([5]), 5)
-  run = lambda k: model.forward(params, cfg, tokens, pos, cache, mask, (0, 1), kernels=k)
+  mask = decoder.causal_mask(jnp.array([5]), 5)
+  run = lambda k: decoder.forward(params, cfg, tokens, pos, cache, mask, (0, 1), kernels=k)
   tuning = kernels.KernelTuning(residual_rows=(1, 64), residual_splits=((0, 2),),
                                 residual_min_depth=16)
   kernel, launches = arn.add_rms_norm, []
@@ -124,10 +126,10 @@ def test_forward_hidden_and_taps_equal_xla_form(monkeypatch):
 def test_kernel_switch_picks_the_kernel_only_with_pallas_and_no_mesh():
   from ddtree_jax import sharding  # pylint: disable=import-outside-toplevel
   mesh = sharding.make_mesh({"dp": 2, "tp": 4})
-  assert kernels.Kernels().residual_norm is model.residual_norm
+  assert kernels.Kernels().residual_norm is ops.residual_norm
   fn = kernels.Kernels("pallas").residual_norm
   assert fn.func is arn.residual_norm and fn.keywords == {"tuning": kernels.KernelTuning()}
-  assert kernels.Kernels("pallas", mesh=mesh).residual_norm is model.residual_norm
+  assert kernels.Kernels("pallas", mesh=mesh).residual_norm is ops.residual_norm
   off = kernels.Kernels("pallas").outside_verify  # prefill and drafter: XLA's form
   assert off.tuning.residual_split_count(64, 4096) == 0 and off.attention == "pallas"
   assert off == kernels.Kernels("pallas").outside_verify and hash(off) == hash(

@@ -14,7 +14,7 @@ import pytest
 
 import ddtree_jax as dj
 from conftest import FIXTURES
-from ddtree_jax import moe
+from ddtree_jax.models import moe
 from helpers import oracle_counts, oracle_drafter, write_drafter
 
 M = 32

@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import ddtree_jax as dj
 from ddtree_jax import sharding
-from ddtree_jax.config import ModelConfig
+from ddtree_jax.models.config import ModelConfig
 from experiments.perf import collectives, harness
 from helpers import oracle_drafter, write_drafter, write_target
 
@@ -41,7 +41,7 @@ def test_split_layout_collectives(tp, method):
   """Megatron's split: per layer the o and down projections' bf16 all-reduces of the [B, T, H]
   residual, nothing else; outside the layers the embedding lookup's psum and the argmax's two
   small gathers of (value, index) per shard. T = 1 (AR) or BUDGET + 1 (the tree). A one-row
-  step's projections run on the row given twice (`attention.einsum_weight`), so its layers'
+  step's projections run on the row given twice (`ops.einsum_weight`), so its layers'
   all-reduces carry [2, 1, H]."""
   t = 1 if method == "ar" else BUDGET + 1
   b = _breakdown(tp, method, "split")

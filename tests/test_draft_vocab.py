@@ -10,7 +10,11 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import ddtree_jax as dj
-from ddtree_jax import decode, drafter as drafter_lib, hf_export, sharding, training
+from ddtree_jax import sharding
+from ddtree_jax.spec import decode
+from ddtree_jax.models import drafter as drafter_lib
+from ddtree_jax.checkpoints import export as hf_export
+from ddtree_jax.training import losses as training
 from helpers import (PAIR_NEW_TOKENS, PAIR_PROMPTS, OracleConfig, oracle_drafter,
                      small_pair)
 

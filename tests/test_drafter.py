@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import ddtree_jax as dj
-from ddtree_jax import model
-from ddtree_jax.checkpoint import read_checkpoint_tensors
+from ddtree_jax.models import decoder
+from ddtree_jax.checkpoints.hf import read_checkpoint_tensors
 from conftest import FIXTURES
 from helpers import write_drafter
 
@@ -23,12 +23,12 @@ def pair(tmp_path_factory):
 
 def _taps(target, prompt, layer_ids):
   t = len(prompt)
-  cache = model.init_cache(target.config.num_layers, 1, target.config.num_kv_heads, 0,
+  cache = decoder.init_cache(target.config.num_layers, 1, target.config.num_kv_heads, 0,
                            target.config.head_dim, jnp.float32)
-  hidden, _, _, taps = model.forward(target.params, target.config, jnp.asarray([prompt]),
+  hidden, _, _, taps = decoder.forward(target.params, target.config, jnp.asarray([prompt]),
                                      jnp.arange(t)[None], cache,
-                                     model.causal_mask(jnp.array([t]), t), layer_ids)
-  bonus = int(jnp.argmax(model.lm_head(target.params, hidden[0, -1])))
+                                     decoder.causal_mask(jnp.array([t]), t), layer_ids)
+  bonus = int(jnp.argmax(decoder.lm_head(target.params, hidden[0, -1])))
   return np.asarray(taps[0], np.float64), bonus
 
 
@@ -110,13 +110,13 @@ def test_incremental_context_equals_from_scratch(pair):
   dl = cfg.layers
 
   def build(pieces):
-    cache = model.init_cache(dl.num_layers, 1, dl.num_kv_heads, 32, dl.head_dim, jnp.float32)
+    cache = decoder.init_cache(dl.num_layers, 1, dl.num_kv_heads, 32, dl.head_dim, jnp.float32)
     start = 0
     for n in pieces:
       pos = jnp.arange(start, start + 8)[None]
       rows = jnp.pad(taps[:, start:start + n], ((0, 0), (0, 8 - n), (0, 0)))
       k, v = cfg.context(dp, rows, pos)
-      cache = model.commit(cache, k, v, jnp.arange(8)[None], jnp.array([n]))
+      cache = decoder.commit(cache, k, v, jnp.arange(8)[None], jnp.array([n]))
       start += n
     return cfg.draft(dp, target.params, cache, jnp.array([11]))
 

@@ -10,8 +10,8 @@ import pytest
 from safetensors.numpy import save_file
 
 import ddtree_jax as dj
-from ddtree_jax import decode
-from ddtree_jax.checkpoint import read_checkpoint_tensors
+from ddtree_jax.spec import decode
+from ddtree_jax.checkpoints.hf import read_checkpoint_tensors
 from conftest import FIXTURES
 from helpers import copy_fixture, edit_config, oracle_drafter, write_drafter
 
@@ -209,6 +209,6 @@ def test_drafter_block_size_nested_and_default_layer_ids(target, tmp_path):
   path = write_drafter(str(tmp_path / "d"), target.config, block_size=6, nest_block_size=True)
   d = dj.load_drafter(path, target)
   assert d.config.block_size == 6 and d.config.num_drafts == 5
-  from ddtree_jax.drafter import default_target_layer_ids
+  from ddtree_jax.models.drafter import default_target_layer_ids
   assert default_target_layer_ids(36, 5) == (1, 9, 17, 25, 33)
   assert default_target_layer_ids(36, 1) == (18,)

@@ -1,4 +1,4 @@
-"""attention.einsum_weight: the engine's weight einsum gives a one-row input twice (so that
+"""ops.einsum_weight: the engine's weight einsum gives a one-row input twice (so that
 XLA:GPU keeps the dot a GEMM instead of a multiply + reduce) when each of the weight's matrices,
 split over the mesh's tp axis, is under STRENGTH_REDUCED_DOT_ELEMENTS; the values are those of
 jnp.einsum either way (CPU, float32)."""
@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ddtree_jax import attention, sharding
-from ddtree_jax.attention import einsum_weight
+from ddtree_jax import sharding
+from ddtree_jax.models import ops
+from ddtree_jax.models.ops import einsum_weight
 
 
 def _doubled(fn, *args) -> bool:
@@ -48,12 +49,12 @@ def test_one_row_is_doubled_under_the_threshold_only(monkeypatch):
   w = jnp.ones((32, 64))
   run = lambda x, w: einsum_weight("btc,ch->bth", x, w)
   assert _doubled(run, x1, w) and not _doubled(run, x5, w)
-  monkeypatch.setattr(attention, "STRENGTH_REDUCED_DOT_ELEMENTS", 32 * 64)  # w is not under it
+  monkeypatch.setattr(ops, "STRENGTH_REDUCED_DOT_ELEMENTS", 32 * 64)  # w is not under it
   assert not _doubled(run, x1, w)
   # per matrix: w_uk-like [C, N, D] with N a batch dim holds N matrices of C x D
   wb = jnp.ones((32, 4, 16))
   runb = lambda x, w: einsum_weight("btnd,cnd->btnc", x, w)
-  monkeypatch.setattr(attention, "STRENGTH_REDUCED_DOT_ELEMENTS", 32 * 16 + 1)
+  monkeypatch.setattr(ops, "STRENGTH_REDUCED_DOT_ELEMENTS", 32 * 16 + 1)
   assert _doubled(runb, jnp.ones((1, 1, 4, 16)), wb)
 
 
@@ -63,8 +64,8 @@ def test_the_threshold_is_per_tp_shard(monkeypatch):
   mesh = sharding.make_mesh({"dp": 1, "tp": 8})
   w = jax.device_put(jnp.ones((32, 64)), NamedSharding(mesh, P(None, "tp")))
   x = jax.device_put(jnp.ones((1, 1, 32)), NamedSharding(mesh, P()))
-  assert attention.tp_shards(w) == 8 and attention.tp_shards(jnp.ones(3)) == 1
-  monkeypatch.setattr(attention, "STRENGTH_REDUCED_DOT_ELEMENTS", 32 * 64 // 4)
+  assert ops.tp_shards(w) == 8 and ops.tp_shards(jnp.ones(3)) == 1
+  monkeypatch.setattr(ops, "STRENGTH_REDUCED_DOT_ELEMENTS", 32 * 64 // 4)
   run = lambda x, w: einsum_weight("btc,ch->bth", x, w)
   assert _doubled(run, x, w)                                  # 2048 / 8 < 512
   assert not _doubled(run, jnp.ones((1, 1, 32)), jnp.ones((32, 64)))  # one device

@@ -18,9 +18,12 @@ from safetensors.numpy import save_file
 
 import ddtree_jax as dj
 from conftest import FIXTURES
-from ddtree_jax import files, hf_export, sandbox, validation
-from ddtree_jax.checkpoint import read_checkpoint_tensors
-from ddtree_jax.safetensors_io import CheckpointError, read_safetensors, write_safetensors
+from ddtree_jax.checkpoints import files
+from ddtree_jax.checkpoints import export as hf_export
+from ddtree_jax.tools import sandbox
+from ddtree_jax import request as validation
+from ddtree_jax.checkpoints.hf import read_checkpoint_tensors
+from ddtree_jax.checkpoints.safetensors_io import CheckpointError, read_safetensors, write_safetensors
 from helpers import copy_fixture, edit_config, write_drafter
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -269,7 +272,7 @@ def test_an_interrupted_export_leaves_the_old_one_whole(target, tmp_path, monkey
 
 
 def test_stale_orbax_temporaries_are_removed(target, tmp_path, caplog):
-  from ddtree_jax import checkpoint  # pylint: disable=import-outside-toplevel
+  from ddtree_jax.checkpoints import hf as checkpoint  # pylint: disable=import-outside-toplevel
   ckpt = str(tmp_path / "params")
   stale = tmp_path / "params.orbax-checkpoint-tmp-1234"
   stale.mkdir()

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import pytest
 
 import ddtree_jax as dj
-from ddtree_jax import decode
+from ddtree_jax.spec import decode
 from conftest import FIXTURES
 from helpers import write_drafter
 
@@ -135,7 +135,7 @@ def test_compile_many_in_threads_then_generate_reuses(tmp_path):
 def test_stage_programs_compile_ahead_and_time(tmp_path):
   """profiling.compile_stages AOT-compiles the four stages on abstract shapes (per-program compile
   seconds); stage_seconds runs them on a real prefill state and does not recompile."""
-  from ddtree_jax import profiling
+  from ddtree_jax.tools import profiling
   target = dj.load_target(os.path.join(FIXTURES, "qwen3_gqa"), dtype="float32")
   d = dj.load_drafter(write_drafter(str(tmp_path), target.config), target)
   lc = decode.LoopConfig(method="ddtree", max_new_tokens=16, num_drafts=7, budget=8)

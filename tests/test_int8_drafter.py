@@ -10,7 +10,11 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import ddtree_jax as dj
-from ddtree_jax import hf_export, model, sharding, training
+from ddtree_jax import sharding
+from ddtree_jax.models import ops
+from ddtree_jax.checkpoints import export as hf_export
+from ddtree_jax.models import decoder
+from ddtree_jax.training import losses as training
 from helpers import PAIR_NEW_TOKENS, PAIR_PROMPTS, assert_accepted, oracle_drafter, small_pair
 
 M, PROMPTS = PAIR_NEW_TOKENS, PAIR_PROMPTS
@@ -26,14 +30,14 @@ def test_quantize_int8_rounds_each_output_channel():
   w = rng.standard_normal((5, 3, 4)).astype(np.float32)
   w[:, 1, 2] = 0.0                      # an all-zero channel
   w[:, 0, 0] *= 100.0                   # a channel on another scale
-  qw = model.quantize_int8(w)
+  qw = ops.quantize_int8(w)
   assert qw.q.dtype == jnp.int8 and qw.q.shape == (3, 4, 5) and qw.scale.shape == (3, 4)
   assert qw.shape == (5, 3, 4)                           # the float weight's
   q, scale = np.moveaxis(np.asarray(qw.q, np.float32), -1, 0), np.asarray(qw.scale)
   assert np.all(np.abs(q * scale - w) <= scale / 2 * (1 + 1e-6))
   assert np.all(np.max(np.abs(q), axis=0)[scale != 1.0] == 127)  # the channel's max maps to 127
   assert scale[1, 2] == 1.0 and np.all(q[:, 1, 2] == 0)
-  assert model.quantize_int8(rng.standard_normal((2, 3, 4)), num_in=2).scale.shape == (4,)
+  assert ops.quantize_int8(rng.standard_normal((2, 3, 4)), num_in=2).scale.shape == (4,)
 
 
 def test_dense_with_int8_weight_is_w8a8():
@@ -44,8 +48,8 @@ def test_dense_with_int8_weight_is_w8a8():
   x[1, 2] = 0.0                                           # an all-zero row
   x[0, 1] *= 50.0                                         # a row on another scale
   w = rng.standard_normal((4, 5, 6)).astype(np.float32)  # [N, D, H] as wo
-  qw = model.quantize_int8(w, num_in=2)
-  got = np.asarray(model.dense("btnd,ndh->bth", jnp.asarray(x), qw))
+  qw = ops.quantize_int8(w, num_in=2)
+  got = np.asarray(ops.dense("btnd,ndh->bth", jnp.asarray(x), qw))
   sx = np.maximum(np.abs(x).max(axis=(2, 3), keepdims=True), 1e-30) / 127
   xq = np.round(x / sx) * sx
   deq = np.moveaxis(np.asarray(qw.q, np.float32), 0, -1) * np.asarray(qw.scale)  # [N, D, H]
@@ -54,22 +58,22 @@ def test_dense_with_int8_weight_is_w8a8():
   assert np.all(got[1, 2] == 0)
   exact = np.einsum("btnd,ndh->bth", x, w)
   assert np.max(np.abs(got - exact) / np.maximum(np.abs(exact).max(-1, keepdims=True), 1)) < 3e-2
-  y = model.dense("bth,hv->btv", jnp.asarray(x[..., 0, :4], jnp.bfloat16),
-                  model.quantize_int8(w[:, 0]), jnp.float32)
+  y = ops.dense("bth,hv->btv", jnp.asarray(x[..., 0, :4], jnp.bfloat16),
+                  ops.quantize_int8(w[:, 0]), jnp.float32)
   assert y.dtype == jnp.float32 and y.shape == (2, 3, 6)
   with pytest.raises(ValueError, match="kept dims"):
-    model.dense("bth,hv->vbt", jnp.asarray(x[..., 0, :4]), model.quantize_int8(w[:, 0]))
+    ops.dense("bth,hv->vbt", jnp.asarray(x[..., 0, :4]), ops.quantize_int8(w[:, 0]))
   with pytest.raises(ValueError, match="num_in"):  # wo quantized as if it had one input dim
-    model.dense("btnd,ndh->bth", jnp.asarray(x), model.quantize_int8(w))
+    ops.dense("btnd,ndh->bth", jnp.asarray(x), ops.quantize_int8(w))
 
 
 def test_int8_drafter_drafts_near_the_float_one_and_decodes_losslessly(pair):
   target, path, ar = pair
   d, d8 = dj.load_drafter(path, target), dj.load_drafter(path, target, int8=True)
   h, v = target.config.hidden_size, target.config.vocab_size
-  assert isinstance(d8.params.layers[0].w_down, model.Int8Weight)
-  assert isinstance(d8.params.fc, model.Int8Weight) and d8.params.lm_head.shape == (h, v)
-  assert model.param_bytes(d8.params) < 0.5 * model.param_bytes(d.params) + 2 * h * v
+  assert isinstance(d8.params.layers[0].w_down, ops.Int8Weight)
+  assert isinstance(d8.params.fc, ops.Int8Weight) and d8.params.lm_head.shape == (h, v)
+  assert decoder.param_bytes(d8.params) < 0.5 * decoder.param_bytes(d.params) + 2 * h * v
   a, b = dj.draft_logits(target, d, PROMPTS[0]), dj.draft_logits(target, d8, PROMPTS[0])
   assert a.shape == b.shape
   err = float(jnp.max(jnp.abs(a - b))) / float(jnp.std(a))
@@ -125,7 +129,7 @@ def test_int8_drafter_sharded_equals_unsharded(pair):
                             (p.fc, ("tp", None), ("tp",)), (p.lm_head, ("tp", None), ("tp",)),
                             (p.context_wkv, (None, None, "tp", None, None), (None, None, "tp"))):
     assert laid(w.q, *q_spec) and laid(w.scale, *s_spec), (w.shape, w.q.sharding, w.scale.sharding)
-  assert not isinstance(layer.wo, model.Int8Weight)  # o stays float
+  assert not isinstance(layer.wo, ops.Int8Weight)  # o stays float
   assert laid(layer.wo, "tp", None, None)
   np.testing.assert_allclose(dj.draft_logits(st, sd8, PROMPTS[0]),
                              dj.draft_logits(target, d8, PROMPTS[0]), rtol=1e-5, atol=1e-5)

@@ -4,7 +4,7 @@ HLO (here a CPU compile)."""
 import jax
 import jax.numpy as jnp
 
-from ddtree_jax import profiling
+from ddtree_jax.tools import profiling
 
 
 def test_body_kernels_are_attributed_to_the_step_stages():

@@ -13,9 +13,14 @@ import pytest
 
 import ddtree_jax as dj
 from conftest import FIXTURES
-from ddtree_jax import checkpoint, kernels, mla, model, moe, sharding
+from ddtree_jax import kernels, sharding
+from ddtree_jax.models import ops
+from ddtree_jax.checkpoints import hf as checkpoint
+from ddtree_jax.models import mla
+from ddtree_jax.models import decoder
+from ddtree_jax.models import moe
 from ddtree_jax.pallas.latent_attention import latent_attention
-from ddtree_jax.safetensors_io import CheckpointError, read_safetensors, write_safetensors
+from ddtree_jax.checkpoints.safetensors_io import CheckpointError, read_safetensors, write_safetensors
 from helpers import (assert_lossless, assert_real_drafter_lossless, cached_decode_logits,
                      copy_fixture, drafter_and_ar, edit_config, oracle_drafter, write_drafter)
 
@@ -77,7 +82,7 @@ def test_latent_attention_equals_per_head_attention():
   keys = jax.random.split(jax.random.key(2), 4)
   h = jax.random.normal(keys[0], (b, t, cfg.hidden_size))
   pos = 9 + jnp.broadcast_to(jnp.arange(t), (b, t))
-  cos, sin = model.rope_tables(cfg, pos, jnp.float32)
+  cos, sin = ops.rope_tables(cfg, pos, jnp.float32)
   q_nope, q_rope, new = mla.project(p, h, cos, sin)
   cache = jax.random.normal(keys[1], (b, 1, s, cfg.kv_lora_rank + cfg.qk_rope_head_dim))
   prefix = jnp.array([9, 4])
@@ -144,7 +149,7 @@ def test_pallas_latent_kernel_in_the_decode_loop_is_lossless(tmp_path):
   Pallas latent kernel (and the grouped experts) gives AR's tokens."""
   cfg, _ = _load("dsv3_qlora_groups")
   cfg = dataclasses.replace(cfg.config, qk_rope_head_dim=16, head_dim=32)
-  target = checkpoint.Target(params=model.init_params(cfg, jax.random.key(4), jnp.float32,
+  target = checkpoint.Target(params=decoder.init_params(cfg, jax.random.key(4), jnp.float32,
                                                       std=0.3), config=cfg)
   drafter = dj.load_drafter(write_drafter(str(tmp_path), cfg, block_size=8), target)
   ar = dj.generate(target, PROMPTS, max_new_tokens=16, stop_token_ids=()).tokens

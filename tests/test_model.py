@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import ddtree_jax as dj
-from ddtree_jax import model
+from ddtree_jax.models import decoder
 from conftest import FIXTURES
 from helpers import cached_decode_logits
 
@@ -38,12 +38,12 @@ def test_taps_are_hf_hidden_states(name):
   target, ref = _load(name)
   ids = jnp.asarray(ref["input_ids"])
   b, t = ids.shape
-  cache = model.init_cache(target.config.num_layers, b, target.config.num_kv_heads, 0,
+  cache = decoder.init_cache(target.config.num_layers, b, target.config.num_kv_heads, 0,
                            target.config.head_dim, jnp.float32)
   pos = jnp.broadcast_to(jnp.arange(t), (b, t))
   layers = tuple(range(target.config.num_layers))
-  _, _, _, taps = model.forward(target.params, target.config, ids, pos, cache,
-                                model.causal_mask(jnp.full((b,), t), t), layers)
+  _, _, _, taps = decoder.forward(target.params, target.config, ids, pos, cache,
+                                decoder.causal_mask(jnp.full((b,), t), t), layers)
   h = target.config.hidden_size
   assert bool(ref["hidden_states_last_is_post_norm"])
   for i in layers:

@@ -10,11 +10,15 @@ import pytest
 
 import ddtree_jax as dj
 from conftest import FIXTURES
-from ddtree_jax import checkpoint, hf_export, kernels, model, moe, sharding
-from ddtree_jax.config import ModelConfig
+from ddtree_jax import kernels, sharding
+from ddtree_jax.checkpoints import hf as checkpoint
+from ddtree_jax.checkpoints import export as hf_export
+from ddtree_jax.models import decoder
+from ddtree_jax.models import moe
+from ddtree_jax.models.config import ModelConfig
 from ddtree_jax.pallas.grouped_gemm import (combine, expert_ops, grouped_matmul, pair_matmul,
                                             pair_ops, tiles)
-from ddtree_jax.safetensors_io import CheckpointError, read_safetensors, write_safetensors
+from ddtree_jax.checkpoints.safetensors_io import CheckpointError, read_safetensors, write_safetensors
 from helpers import (assert_lossless, assert_real_drafter_lossless, cached_decode_logits,
                      copy_fixture, drafter_and_ar, edit_config, oracle_drafter, write_drafter)
 
@@ -260,7 +264,7 @@ def test_sampling_with_a_moe_target_follows_its_distribution(tmp_path):
                     num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16, qk_norm=True,
                     num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                     norm_topk_prob=True, moe_layers=(0, 1))
-  target = checkpoint.Target(params=model.init_params(cfg, jax.random.key(3), jnp.float32,
+  target = checkpoint.Target(params=decoder.init_params(cfg, jax.random.key(3), jnp.float32,
                                                       std=0.4), config=cfg)
   drafter = dj.load_drafter(write_drafter(str(tmp_path), cfg, num_layers=1, block_size=4,
                                           mask_token_id=3, std=0.5), target)
@@ -282,7 +286,7 @@ def wide(tmp_path_factory):
                     num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
                     norm_topk_prob=True, moe_layers=(0, 1), eos_token_ids=(1,))
   root = tmp_path_factory.mktemp("ep")
-  params = model.init_params(cfg, jax.random.key(5), jnp.float32, std=0.3)
+  params = decoder.init_params(cfg, jax.random.key(5), jnp.float32, std=0.3)
   path = hf_export.save_target_hf(str(root / "target"), params, cfg, dtype="float32")
   target = dj.load_target(path, dtype="float32", fuse_qkv=False)
   dpath = write_drafter(str(root / "drafter"), cfg, block_size=8)

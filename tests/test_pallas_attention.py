@@ -10,9 +10,8 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from ddtree_jax.attention import attend_xla
-from ddtree_jax.pallas import tree_attention
-from ddtree_jax.pallas.tree_attention import split_blocks
+from ddtree_jax.models.attention import attend_xla
+from ddtree_jax.pallas.tree_attention import split_blocks, tree_attention
 from helpers import abstract_h200_mesh, triton_custom_calls, verify_triton_ir
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated.*")
@@ -286,6 +285,6 @@ def test_lowers_for_h200_other_shapes(b, t, hq, hkv, s, d, splits):
 ])
 def test_split_rule_matches_the_h200_sweep(b, t, cap, splits):
   """Qwen3-8B heads (32 / 8, D=128) on 132 SMs: the split counts the sweeps and step profiles
-  chose (WORKSPACE.md, Findings: Attention kernel); trees never get one split."""
+  chose (docs/findings/attention-kernel.md); trees never get one split."""
   rule = sys.modules["ddtree_jax.pallas.tree_attention"].default_config  # (the module)
   assert rule(b, t, 32, 8, cap, 128, sm_count=132)[3] == splits

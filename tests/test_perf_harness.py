@@ -4,7 +4,8 @@ tuning overrides of profile_step, the drafter variants and a case's cache rows."
 import jax
 import pytest
 
-from ddtree_jax import decode, kernels
+from ddtree_jax import kernels
+from ddtree_jax.spec import decode
 from ddtree_jax.pallas.tree_attention import launch_config
 from experiments.perf import harness
 

@@ -1,8 +1,7 @@
-"""The Pallas q/k RMSNorm + RoPE kernel (interpret mode on CPU) against `model.norm_rope`."""
+"""The Pallas q/k RMSNorm + RoPE kernel (interpret mode on CPU) against `attention.norm_rope`."""
 
 import dataclasses
 import functools
-import importlib
 import os
 
 import jax
@@ -13,10 +12,14 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import ddtree_jax as dj
 from conftest import FIXTURES
-from ddtree_jax import kernels, model, sharding, tensor_reader
-from ddtree_jax.config import ModelConfig
-from ddtree_jax.pallas import qk_norm_rope
-qk_lib = importlib.import_module("ddtree_jax.pallas.qk_norm_rope")  # the module
+from ddtree_jax import kernels, sharding
+from ddtree_jax.models import attention
+from ddtree_jax.models import ops
+from ddtree_jax.models import decoder
+from ddtree_jax.checkpoints import tensor_reader
+from ddtree_jax.models.config import ModelConfig
+from ddtree_jax.pallas import qk_norm_rope as qk_lib
+from ddtree_jax.pallas.qk_norm_rope import qk_norm_rope
 from helpers import (abstract_h200_mesh, assert_accepted, oracle_drafter, triton_custom_calls, verify_triton_ir,
                      write_drafter)
 
@@ -27,7 +30,7 @@ def _inputs(b, t, n, k, d, dtype, norms=True, seed=0):
   cfg = ModelConfig(model_type="qwen3", vocab_size=8, hidden_size=n * d, intermediate_size=8,
                     num_layers=1, num_heads=k, num_kv_heads=k, head_dim=d, rope_theta=1e6)  # RoPE
   positions = jnp.asarray(rng.integers(0, 4096, (b, t)), jnp.int32)
-  cos, sin = model.rope_tables(cfg, positions, dtype)
+  cos, sin = ops.rope_tables(cfg, positions, dtype)
   norm = lambda: (1 + f(d, s=0.2)).astype(dtype) if norms else None
   return f(b, t, n, d, s=3.0), f(b, t, 2, k, d), norm(), norm(), cos, sin
 
@@ -40,7 +43,7 @@ def test_kernel_equals_norm_rope(dtype, b, t, n, k, d):
   """bf16: bit for bit (the kernel rounds where each XLA op does); float32: to summation order."""
   args = _inputs(b, t, n, k, d, dtype)
   got = qk_norm_rope(*args, eps=1e-6)
-  want = model.norm_rope(*args, eps=1e-6)
+  want = attention.norm_rope(*args, eps=1e-6)
   for g, w in zip(got, want):
     assert g.shape == w.shape and g.dtype == w.dtype
     if dtype == jnp.bfloat16:
@@ -53,14 +56,14 @@ def test_kernel_equals_norm_rope(dtype, b, t, n, k, d):
 @pytest.mark.parametrize("case", ["no_norms", "half_dim_not_pow2", "mixed_dtypes"])
 def test_other_inputs_take_the_xla_path(case):
   """Llama (no q/k norm), a D/2 Triton cannot block and a float32 norm with bf16 activations
-  take `model.norm_rope` as it is."""
+  take `attention.norm_rope` as it is."""
   args = _inputs(2, 3, 4, 2, 24 if case == "half_dim_not_pow2" else 16,
                  jnp.bfloat16 if case == "mixed_dtypes" else jnp.float32, norms=case != "no_norms")
   if case == "mixed_dtypes":
     args = (*args[:2], args[2].astype(jnp.float32), *args[3:])
   jaxpr = str(jax.make_jaxpr(functools.partial(qk_norm_rope, eps=1e-6))(*args))
   assert "pallas_call" not in jaxpr
-  want = jax.jit(functools.partial(model.norm_rope, eps=1e-6))(*args)
+  want = jax.jit(functools.partial(attention.norm_rope, eps=1e-6))(*args)
   for g, w in zip(qk_norm_rope(*args, eps=1e-6), want):
     np.testing.assert_array_equal(g, w)
 
@@ -68,11 +71,11 @@ def test_other_inputs_take_the_xla_path(case):
 def _layer(hid, n, k, d, dtype, seed=1, fused=False):
   rng = np.random.default_rng(seed)
   f = lambda *shape, s=0.3: jnp.asarray(rng.standard_normal(shape) * s, dtype)
-  layer = model.LayerParams(input_norm=None, wq=f(hid, n, d), wkv=f(hid, 2, k, d), wo=f(n, d, hid),
+  layer = decoder.LayerParams(input_norm=None, wq=f(hid, n, d), wkv=f(hid, 2, k, d), wo=f(n, d, hid),
                             q_norm=1 + f(d), k_norm=1 + f(d), post_norm=None, w_gate_up=None,
                             w_down=None)
   if fused:
-    layer = model.fuse_qkv(model.Params(embed=None, layers=[layer], final_norm=None,
+    layer = decoder.fuse_qkv(decoder.Params(embed=None, layers=[layer], final_norm=None,
                                         lm_head=None)).layers[0]
   return layer
 
@@ -98,7 +101,7 @@ def test_sharded_equals_unsharded(rules, n, k):
   assert "pallas_call" in str(jax.make_jaxpr(fn)(*args))
   got = fn(*args)
   assert got[0].sharding.is_equivalent_to(NamedSharding(mesh, P("dp", None, "tp", None)), 4)
-  for g, w in zip(got, model.project_norm_rope(layer, h, cos, sin, eps=1e-6)):
+  for g, w in zip(got, attention.project_norm_rope(layer, h, cos, sin, eps=1e-6)):
     np.testing.assert_allclose(g, w, rtol=2e-6, atol=2e-6)
   with pytest.raises(ValueError, match="one device"):
     fn(_layer(24, n, k, 32, jnp.float32, fused=True), *args[1:])
@@ -107,7 +110,7 @@ def test_sharded_equals_unsharded(rules, n, k):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("splits", [None, 0, 1, 2, 3, 4])
 def test_fused_projection(dtype, splits):
-  """A fused layer (`model.fuse_qkv`) through the kernel hook, its split-K partials summed in the
+  """A fused layer (`decoder.fuse_qkv`) through the kernel hook, its split-K partials summed in the
   kernel (S = 2-4), against the unfused XLA form: float32 to summation order; bf16 within one
   bf16 rounding of the projection (a different summation order), and bit for bit against the
   same projection rounded and normed op by op in XLA."""
@@ -118,7 +121,7 @@ def test_fused_projection(dtype, splits):
   assert fused.wq is None and fused.wqkv.shape == (hid, n + 2 * k, d)
   h = jnp.asarray(np.random.default_rng(3).standard_normal((b, t, hid)), dtype)
   got = qk_lib.project_qk_norm_rope(fused, h, cos, sin, eps=1e-6, splits=splits)
-  want = model.project_norm_rope(layer, h, cos, sin, eps=1e-6)
+  want = attention.project_norm_rope(layer, h, cos, sin, eps=1e-6)
   for g, w in zip(got, want):
     assert g.shape == w.shape and g.dtype == w.dtype
     tol = 2e-5 if dtype == jnp.float32 else 0.07
@@ -128,9 +131,9 @@ def test_fused_projection(dtype, splits):
   hs = h.reshape(b, t, s, hid // s).astype(jnp.float32)
   ws = fused.wqkv.reshape(s, hid // s, n + 2 * k, d).astype(jnp.float32)
   y = sum(jnp.einsum("btc,cnd->btnd", hs[:, :, i], ws[i]) for i in range(s)).astype(dtype)
-  q, kv = model.split_qkv(y, n)
+  q, kv = ops.split_qkv(y, n)
   if dtype == jnp.bfloat16 and splits not in (None, 0):  # same float32 partials, same sum order
-    for g, w in zip(got, model.norm_rope(q, kv, layer.q_norm, layer.k_norm, cos, sin, eps=1e-6)):
+    for g, w in zip(got, attention.norm_rope(q, kv, layer.q_norm, layer.k_norm, cos, sin, eps=1e-6)):
       np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
 
 
@@ -141,25 +144,25 @@ def test_split_rule_and_xla_path_of_fused_layers():
   _, _, _, _, cos, sin = _inputs(1, 2, 4, 2, 16, jnp.float32)
   h = jnp.ones((1, 2, 32), jnp.float32)
   unfused = _layer(32, 4, 2, 16, jnp.float32)
-  for g, w in zip(model.project_norm_rope(layer, h, cos, sin, eps=1e-6),
-                  model.project_norm_rope(unfused, h, cos, sin, eps=1e-6)):
+  for g, w in zip(attention.project_norm_rope(layer, h, cos, sin, eps=1e-6),
+                  attention.project_norm_rope(unfused, h, cos, sin, eps=1e-6)):
     np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
   with pytest.raises(ValueError, match="int8"):
-    model.fuse_qkv(model.Params(embed=None, final_norm=None, lm_head=None, layers=[
-        dataclasses.replace(unfused, wq=model.quantize_int8(unfused.wq))]))
+    decoder.fuse_qkv(decoder.Params(embed=None, final_norm=None, lm_head=None, layers=[
+        dataclasses.replace(unfused, wq=ops.quantize_int8(unfused.wq))]))
   with pytest.raises(ValueError, match="own wkv"):
-    model.project_kv(layer, None, h, cos, sin)
-  params = lambda *layers: model.Params(embed=None, final_norm=None, lm_head=None,
+    attention.project_kv(layer, None, h, cos, sin)
+  params = lambda *layers: decoder.Params(embed=None, final_norm=None, lm_head=None,
                                         layers=list(layers))
   with pytest.raises(ValueError, match="wq is float32 but wkv bfloat16"):
-    model.fuse_qkv(params(dataclasses.replace(unfused, wkv=unfused.wkv.astype(jnp.bfloat16))))
+    decoder.fuse_qkv(params(dataclasses.replace(unfused, wkv=unfused.wkv.astype(jnp.bfloat16))))
   with pytest.raises(ValueError, match="neither wqkv nor both"):
-    model.fuse_qkv(params(dataclasses.replace(unfused, wkv=None)))
+    decoder.fuse_qkv(params(dataclasses.replace(unfused, wkv=None)))
   mesh = sharding.make_mesh({"dp": 1, "tp": 2})
   sharded = jax.device_put(unfused.wq, NamedSharding(mesh, P(None, "tp")))
   with pytest.raises(ValueError, match="placed on several devices"):
-    model.fuse_qkv(params(dataclasses.replace(unfused, wq=sharded)))
-  fused_twice = model.fuse_qkv(params(layer)).layers[0]
+    decoder.fuse_qkv(params(dataclasses.replace(unfused, wq=sharded)))
+  fused_twice = decoder.fuse_qkv(params(layer)).layers[0]
   assert fused_twice.wqkv is layer.wqkv
 
 
@@ -168,7 +171,7 @@ def test_split_rule_and_xla_path_of_fused_layers():
                          + [("fused_weight_dtype", True)])
 def test_project_hook_takes_xla_path_where_kernel_does_not_apply(case, fused):
   """Where the kernel would fall back (Llama, D/2 not a power of two, a float32 norm or fused
-  weight with bf16 activations), the hook is `model.project_norm_rope` as it is: no kernel and
+  weight with bf16 activations), the hook is `attention.project_norm_rope` as it is: no kernel and
   no split-K, even at row counts where the tuning splits."""
   d = 24 if case == "half_dim_not_pow2" else 16
   dtype = jnp.bfloat16 if case in ("mixed_dtypes", "fused_weight_dtype") else jnp.float32
@@ -185,7 +188,7 @@ def test_project_hook_takes_xla_path_where_kernel_does_not_apply(case, fused):
   hook = functools.partial(qk_lib.project_qk_norm_rope, eps=1e-6)
   jaxpr = str(jax.make_jaxpr(hook)(layer, h, cos, sin))
   assert "pallas_call" not in jaxpr and "float32[2," not in jaxpr
-  want = jax.jit(functools.partial(model.project_norm_rope, eps=1e-6))(layer, h, cos, sin)
+  want = jax.jit(functools.partial(attention.project_norm_rope, eps=1e-6))(layer, h, cos, sin)
   for g, w in zip(jax.jit(hook)(layer, h, cos, sin), want):
     assert g.dtype == w.dtype
     np.testing.assert_array_equal(g, w)
@@ -227,7 +230,7 @@ def test_fused_operand_lowers_for_h200(t, splits):
 def test_kernel_switch_picks_the_projection():
   mesh = sharding.make_mesh({"dp": 2, "tp": 4})
   tuning = kernels.KernelTuning(qkv_splits=4)
-  assert kernels.Kernels().project_qkv is model.project_norm_rope
+  assert kernels.Kernels().project_qkv is attention.project_norm_rope
   fn = kernels.Kernels("pallas", tuning=tuning).project_qkv
   assert fn.func is qk_lib.project_qk_norm_rope and fn.keywords == {"tuning": tuning}
   fn = kernels.Kernels("pallas", mesh=mesh).project_qkv
@@ -237,7 +240,8 @@ def test_kernel_switch_picks_the_projection():
 def test_loaded_target_is_fused_and_exports_the_same(tmp_path):
   """load_target fuses q/k/v on one device (not on a mesh, not with fuse_qkv=False); both
   layouts give the same forward and export the same HF tensors."""
-  from ddtree_jax import checkpoint, hf_export  # pylint: disable=import-outside-toplevel
+  from ddtree_jax.checkpoints import hf as checkpoint
+  from ddtree_jax.checkpoints import export as hf_export  # pylint: disable=import-outside-toplevel
   path = os.path.join(FIXTURES, "qwen3_gqa")
   fused = dj.load_target(path, dtype="float32")
   plain = dj.load_target(path, dtype="float32", fuse_qkv=False)
@@ -256,7 +260,7 @@ def test_loaded_target_is_fused_and_exports_the_same(tmp_path):
   assert sorted(a) == sorted(b)
   for name in a:
     np.testing.assert_array_equal(a[name], b[name])
-  for host, dev in zip(fused.params.layers, model.fuse_qkv(plain.params).layers):
+  for host, dev in zip(fused.params.layers, decoder.fuse_qkv(plain.params).layers):
     np.testing.assert_array_equal(host.wqkv, dev.wqkv)  # concatenated on the host = on device
   mesh = sharding.make_mesh({"dp": 2, "tp": 1})
   assert dj.load_target(path, dtype="float32", mesh=mesh).params.layers[0].wqkv is None

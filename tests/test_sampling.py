@@ -20,10 +20,13 @@ import pytest
 from scipy import stats as sps
 
 import ddtree_jax as dj
-from ddtree_jax import decode, engine, model, verify
-from ddtree_jax.checkpoint import Drafter, Target
-from ddtree_jax.config import ModelConfig
-from ddtree_jax.drafter import DrafterConfig
+from ddtree_jax import engine
+from ddtree_jax.spec import decode
+from ddtree_jax.models import decoder
+from ddtree_jax.spec import verify
+from ddtree_jax.checkpoints.hf import Drafter, Target
+from ddtree_jax.models.config import ModelConfig
+from ddtree_jax.models.drafter import DrafterConfig
 from helpers import write_drafter
 
 V = 4
@@ -44,7 +47,7 @@ def make_target(seed=4, std=0.3):
   back from the target's layer-0 taps. seed / std give a spread joint law (no cell dominates)."""
   cfg = ModelConfig(model_type="qwen3", vocab_size=V, hidden_size=H, intermediate_size=64,
                     num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16)
-  p = model.init_params(cfg, jax.random.key(seed), jnp.float32, std=std)
+  p = decoder.init_params(cfg, jax.random.key(seed), jnp.float32, std=std)
   layers = [dataclasses.replace(l, wo=l.wo.at[..., H - V:].set(0),
                                 w_down=l.w_down.at[:, H - V:].set(0)) for l in p.layers]
   return Target(params=dataclasses.replace(p, embed=p.embed.at[:, H - V:].set(jnp.eye(V)),

@@ -20,11 +20,14 @@ import pytest
 import uvicorn
 
 import ddtree_jax as dj
-from ddtree_jax import checkpoint, server, slots
+from ddtree_jax.checkpoints import hf as checkpoint
+from ddtree_jax.request import GenerateOptions
+from ddtree_jax.serving import server
+from ddtree_jax.serving import slots
 
 MAX_TOKENS = 24
-# The load test's requests: 100 in the suite (about 20 s on 2 CPU cores, 11 s of it the offline
-# reference); 300 passed in 128 s (WORKSPACE.md, Findings: Serving)
+# The load test's requests: 100 in the suite, which keeps it short; it also passes at 300
+# (docs/findings/serving.md)
 LOAD_REQUESTS = 100
 
 
@@ -149,10 +152,11 @@ def test_a_sampled_request_follows_its_seed_whatever_shares_the_batch(live):
   done = {name: threading.Event() for name in got}
   emit = lambda name: lambda toks, reason: (got[name].extend(toks),
                                             reason and done[name].set())
-  reqs = [engine.submit([5, 6, 7], 40, (), emit("greedy")),  # these take slots 0-2
-          engine.submit([9, 10], 40, (), emit("other"), seed=7, **SAMPLED),
-          engine.submit(ids, 30, (), emit("hot"), temperature=1.5, seed=1234),
-          engine.submit(ids, MAX_TOKENS, (), emit("ours"), seed=1234, **SAMPLED)]
+  options = lambda n, **kw: GenerateOptions(max_new_tokens=n, stop_token_ids=(), **kw)
+  reqs = [engine.submit([5, 6, 7], options(40), emit("greedy")),  # these take slots 0-2
+          engine.submit([9, 10], options(40, seed=7, **SAMPLED), emit("other")),
+          engine.submit(ids, options(30, temperature=1.5, seed=1234), emit("hot")),
+          engine.submit(ids, options(MAX_TOKENS, seed=1234, **SAMPLED), emit("ours"))]
   assert all(d.wait(120) for d in done.values())
   assert reqs[-1].slot == 3 and got["ours"] == want
   assert got["greedy"][:MAX_TOKENS] == _offline(target, drafter, [5, 6, 7], MAX_TOKENS)

@@ -11,9 +11,14 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import ddtree_jax as dj
 from conftest import FIXTURES
-from ddtree_jax import checkpoint, decode, kernels, sharding, tree, verify
-from ddtree_jax import drafter as drafter_lib
-from ddtree_jax.attention import attend_xla
+from ddtree_jax import kernels, sharding
+from ddtree_jax.spec import topk
+from ddtree_jax.checkpoints import hf as checkpoint
+from ddtree_jax.spec import decode
+from ddtree_jax.spec import tree
+from ddtree_jax.spec import verify
+from ddtree_jax.models import drafter as drafter_lib
+from ddtree_jax.models.attention import attend_xla
 from helpers import oracle_drafter, write_drafter, write_target
 
 M = 24
@@ -328,7 +333,7 @@ def test_shard_vocab_top_k_equals_one_device(shape, batch):
   rng = np.random.default_rng(0)
   x = rng.standard_normal((batch, 15, 1024)).astype(np.float32)
   x[:, :, 7] = x[:, :, 900] = x[:, :, 513] = 9.0  # ties across shards
-  want = jax.jit(lambda a: tree.vocab_top_k(a, 32))(x)
+  want = jax.jit(lambda a: topk.vocab_top_k(a, 32))(x)
   placed = jax.device_put(x, NamedSharding(mesh, P(None, None, "tp")))
   fn = jax.jit(lambda a: kernels.shard_vocab_top_k(mesh)(a, 32))
   got = fn(placed)

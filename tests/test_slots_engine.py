@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 import ddtree_jax as dj
-from ddtree_jax import slot_programs, slots
+from ddtree_jax.request import GenerateOptions
+from ddtree_jax.serving import programs as slot_programs
+from ddtree_jax.serving import slots
 
 
 @pytest.mark.parametrize("kw,field", [
@@ -81,7 +83,8 @@ def _run(engine, jobs, got, at_once: bool):
       threading.Event().wait(0.05)
     raise TimeoutError(f"request {i}")
   for i, (prompt, n, stops, _) in enumerate(jobs):
-    reqs.append(engine.submit(prompt, n, stops, emit(i)))
+    reqs.append(engine.submit(prompt, GenerateOptions(max_new_tokens=n, stop_token_ids=stops),
+                              emit(i)))
     if not at_once:
       wait(i)
   if at_once:
@@ -140,16 +143,17 @@ def test_a_chunk_in_flight_never_feeds_the_next_request_in_its_slot(mixed):
 
   def emit(k):
     return lambda toks, reason: (got[k].extend(toks), reason and done[k].set())
+  options = lambda n: GenerateOptions(max_new_tokens=n, stop_token_ids=())
   # pylint: disable=protected-access
-  a = engine.submit(prompts[5], limits[5], (), emit("a"))
-  engine.submit(prompts[6], limits[6], (), emit("c"))
+  a = engine.submit(prompts[5], options(limits[5]), emit("a"))
+  engine.submit(prompts[6], options(limits[6]), emit("c"))
   engine._send_firsts(engine._admit())
   first = engine._launch()  # (two requests: chunks of 3 steps)
   second = engine._launch()  # in flight, with A's row
   a.cancel()
   engine._finish(first)
   assert engine.metrics()["active_slots"] == 1 and len(got["a"]) == 1
-  b = engine.submit(prompts[1], limits[1], (), emit("b"))
+  b = engine.submit(prompts[1], options(limits[1]), emit("b"))
   engine._send_firsts(engine._admit())
   assert b.slot == a.slot == 0
   engine._finish(second)

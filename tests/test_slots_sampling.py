@@ -14,8 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ddtree_jax import row_sampling, slots, verify
-from ddtree_jax.config import ModelConfig
+from ddtree_jax.request import GenerateOptions, RequestError
+from ddtree_jax.spec import sampling as row_sampling
+from ddtree_jax.serving import slots
+from ddtree_jax.spec import verify
+from ddtree_jax.models.config import ModelConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -62,19 +65,27 @@ def test_seed_key_data_is_jax_random_key(seed):
 
 @pytest.mark.parametrize("kw,field", [
     (dict(temperature=-0.1), "temperature"), (dict(temperature=True), "temperature"),
-    (dict(temperature=float("nan")), "temperature"), (dict(top_p=0.0), "top_p"),
-    (dict(top_k=65), "top_k"), (dict(top_k=1.5), "top_k"), (dict(seed=2**64), "seed"),
-    (dict(seed="1"), "seed"), (dict(temperature=0.5, greedy_only=True), "temperature")])
+    (dict(temperature=float("nan")), "temperature"), (dict(temperature=2.5), "temperature"),
+    (dict(top_p=0.0), "top_p"), (dict(top_k=65), "top_k"), (dict(top_k=1.5), "top_k"),
+    (dict(seed=2**64), "seed"), (dict(seed="1"), "seed"), (dict(method="chain"), "method"),
+    (dict(max_new_tokens=2047), "max_new_tokens"), (dict(stop_token_ids=[512]), "stop_token_ids"),
+    (dict(temperature=0.5, greedy_only=True), "temperature")])
 def test_bad_sampling_settings_name_the_field(kw, field):
+  """A served request's options are checked by `GenerateOptions.check` with the server's limits
+  (temperature <= 2, top_k <= max_top_k, prompt + max_new_tokens <= capacity), per-request
+  fields only."""
   greedy_only = kw.pop("greedy_only", False)
   cfg = ModelConfig(model_type="qwen3", vocab_size=512, hidden_size=8, intermediate_size=8,
                     num_layers=1, num_heads=1, num_kv_heads=1, head_dim=8)
-  engine = types.SimpleNamespace(target=types.SimpleNamespace(config=cfg), config=slots.SlotConfig(
-      capacity=2048, max_top_k=64, sampling=not greedy_only))
-  slots.SlotEngine.check(engine, [1, 2], 4)  # the defaults pass
-  slots.SlotEngine.check(engine, [1, 2], 4, top_k=512)  # >= the vocabulary: off
-  with pytest.raises(slots.RequestError) as e:
-    slots.SlotEngine.check(engine, [1, 2], 4, **kw)
+  target = types.SimpleNamespace(config=cfg)
+  server = slots.SlotConfig(capacity=2048, max_top_k=64, sampling=not greedy_only)
+  check = lambda **kw: GenerateOptions(**{"max_new_tokens": 4, **kw}).check(
+      target, None, [[1, 2]], slots=server)[1]
+  assert check().stop_token_ids == ()  # the defaults pass (this model has no eos)
+  assert check(top_k=512).top_k is None  # >= the vocabulary: off
+  assert check(seed=2**64 - 1, max_new_tokens=2046).seed == 2**64 - 1
+  with pytest.raises(RequestError) as e:
+    check(**kw)
   assert e.value.field == field
 
 

@@ -14,9 +14,13 @@ import numpy as np
 import pytest
 
 import ddtree_jax as dj
-from ddtree_jax import data, hf_export, model, train_loop, training
-from ddtree_jax import drafter as drafter_lib
-from ddtree_jax.config import ModelConfig
+from ddtree_jax.training import data
+from ddtree_jax.checkpoints import export as hf_export
+from ddtree_jax.models import decoder
+from ddtree_jax.training import loop as train_loop
+from ddtree_jax.training import losses as training
+from ddtree_jax.models import drafter as drafter_lib
+from ddtree_jax.models.config import ModelConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEQ = 32
@@ -51,7 +55,7 @@ def _tiny_cfg(tok, tie=True):
 def _train_target(workdir, corpus, **over):
   tok, train_tokens, _ = corpus
   cfg = _tiny_cfg(tok)
-  params = model.init_params(cfg, jax.random.key(0), jnp.float32)
+  params = decoder.init_params(cfg, jax.random.key(0), jnp.float32)
   tc = _tc("train_target", num_steps=8, save_every=4, eval_every=0, lr=1e-2, batch_size=4,
            keep_best=False, **over)
   return train_loop.train(
@@ -133,7 +137,7 @@ def test_target_export_round_trip(target, tmp_path):
   np.testing.assert_array_equal(np.asarray(dj.forward_logits(loaded, tokens)), np.asarray(ref))
   # untied lm_head, bfloat16 file: every tensor is the bf16 rounding of ours
   cfg = dataclasses.replace(tgt.config, tie_word_embeddings=False)
-  params = model.init_params(cfg, jax.random.key(3), jnp.float32, std=0.3)
+  params = decoder.init_params(cfg, jax.random.key(3), jnp.float32, std=0.3)
   path = hf_export.save_target_hf(str(tmp_path / "bf16"), params, cfg, dtype="bfloat16")
   loaded = dj.load_target(path, dtype="bfloat16", fuse_qkv=False)  # init_params' layout
   chex.assert_trees_all_equal(loaded.params, jax.tree.map(lambda b: b.astype(jnp.bfloat16), params))
@@ -194,8 +198,8 @@ def _decode_time_logits(tparams, dparams, tokens, a, *, tcfg, dcfg):
   _, taps = training.target_hidden(tparams, tcfg, tokens[None], dcfg.target_layer_ids)
   k, v = drafter_lib.context_kv(dparams, dcfg, taps, jnp.arange(s)[None])
   lc = dcfg.layers
-  cache = model.init_cache(lc.num_layers, 1, lc.num_kv_heads, s, lc.head_dim, jnp.float32)
-  cache = model.commit(cache, k, v, jnp.arange(s)[None], jnp.reshape(a, (1,)))
+  cache = decoder.init_cache(lc.num_layers, 1, lc.num_kv_heads, s, lc.head_dim, jnp.float32)
+  cache = decoder.commit(cache, k, v, jnp.arange(s)[None], jnp.reshape(a, (1,)))
   return drafter_lib.draft_logits(dparams, dcfg, tparams, cache, tokens[a][None])[0]
 
 

@@ -1,4 +1,4 @@
-"""Tests of ddtree_jax.tree against a NumPy port of the published best-first heap."""
+"""Tests of ddtree_jax.spec.tree against a NumPy port of the published best-first heap."""
 
 import heapq
 
@@ -7,8 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ddtree_jax import tree as tree_lib
-from ddtree_jax.tree import build_tree
+from ddtree_jax.spec import tree as tree_lib
+from ddtree_jax.spec import topk
+from ddtree_jax.spec.tree import build_tree
 
 build_jit = jax.jit(build_tree, static_argnums=(1, 2))
 
@@ -247,7 +248,7 @@ def test_chunked_top_k_equals_lax_top_k(n, k, chunk):
   x[0] = np.round(x[0] * 2) / 2  # heavy ties
   x[1, 0, : n // 2] = -np.inf  # -inf entries next to the -inf padding
   x[1, 1] = 0.0  # a constant row: the answer is the k lowest indices
-  vals, idx = tree_lib.top_k(jnp.asarray(x), k, chunk)
+  vals, idx = topk.top_k(jnp.asarray(x), k, chunk)
   ref_vals, ref_idx = jax.lax.top_k(jnp.asarray(x), k)
   np.testing.assert_array_equal(np.asarray(vals), np.asarray(ref_vals))
   np.testing.assert_array_equal(np.asarray(idx), np.asarray(ref_idx))

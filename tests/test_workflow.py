@@ -290,7 +290,7 @@ def test_draw_tree(tmp_path):
   import matplotlib
   matplotlib.use("Agg")
   import ddtree_jax as dj
-  from ddtree_jax import viz
+  from ddtree_jax.tools import viz
   rng = np.random.default_rng(0)
   logits = rng.normal(size=(5, 256))
   logits[np.arange(5), rng.integers(0, 256, 5)] += 5.0  # peaked drafts: a deep tree

@@ -6,9 +6,9 @@ two more kernels per site: the partials' sum with the residual add, and the next
 (it does not fuse a reduction over the splits with one over the hidden dim). `residual_norm`
 makes the split explicit (a batched dot over S slices of the contracted dim, float32 out) and
 this kernel does the rest, one program per token row: 2 kernels per site instead of 3. The
-roundings are those of `model.residual_norm`'s XLA form: the projection rounded to x's dtype,
-the add rounded, then `model.rms_norm`. Where it pays: `KernelTuning.residual_*`
-(WORKSPACE.md, Findings: Fused glue kernels).
+roundings are those of `ops.residual_norm`'s XLA form: the projection rounded to x's dtype,
+the add rounded, then `ops.rms_norm`. Where it pays: `KernelTuning.residual_*`
+(docs/findings/fused-glue-kernels.md).
 """
 
 from __future__ import annotations
@@ -21,9 +21,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ddtree_jax import model
-from ddtree_jax.attention import einsum_f32
-from ddtree_jax.kernels import KernelTuning
+from ddtree_jax.models.ops import Int8Weight, einsum_f32, residual_norm as residual_norm_xla
+from ddtree_jax.pallas.tuning import KernelTuning
 
 
 def _kernel(p_ref, x_ref, w_ref, xo_ref, ho_ref, *, eps):
@@ -72,10 +71,10 @@ def add_rms_norm(partials, x, weight, *, eps, num_warps: int = 8, interpret=None
 
 def residual_norm(x, spec, a, w, norm, *, eps, splits=None, tuning: KernelTuning = KernelTuning(),
                   interpret=None):
-  """`model.residual_norm` with the projection's split-K made explicit and its sum, the residual
+  """`ops.residual_norm` with the projection's split-K made explicit and its sum, the residual
   add and the RMSNorm in one kernel: x [B, T, H], spec "bt<c>,<c>h->bth" contracting a's trailing
   dims <c> with w's leading ones, norm [H]. Int8 weights, mixed dtypes and sizes Triton cannot
-  block take `model.residual_norm`. splits: None = the tuning's `residual_split_count` (0: XLA's
+  block take `ops.residual_norm`. splits: None = the tuning's `residual_split_count` (0: XLA's
   form); the tuning also gives the warps and, when interpret is None, interpret mode."""
   (xs, ws), out = spec.split("->")[0].split(","), spec.split("->")[1]
   if len(xs) < 3 or xs[2:] != ws[:-1] or out != xs[:2] + ws[-1]:
@@ -86,9 +85,9 @@ def residual_norm(x, spec, a, w, norm, *, eps, splits=None, tuning: KernelTuning
                      f"under {spec!r}")
   c = math.prod(a.shape[2:])
   s = tuning.residual_split_count(b * t, c) if splits is None else splits
-  if (isinstance(w, model.Int8Weight) or not s or c % s
+  if (isinstance(w, Int8Weight) or not s or c % s
       or not supported(h, s, (x.dtype, a.dtype, w.dtype, norm.dtype))):
-    return model.residual_norm(x, spec, a, w, norm, eps=eps)
+    return residual_norm_xla(x, spec, a, w, norm, eps=eps)
   r = b * t
   partials = einsum_f32("rsc,sch->srh", a.reshape(r, s, c // s), w.reshape(s, c // s, h))
   x, hn = add_rms_norm(partials, x.reshape(r, h), norm, eps=eps,

@@ -29,6 +29,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from ddtree_jax.models import moe
+
 
 def tiles(group_sizes, m: int, block_m: int):
   """Per tile slot (static count min(M, ceil(M/block_m) + E)): (group, first row, rows), rows 0
@@ -199,7 +201,6 @@ def expert_ops(tuning, blocks: tuple[int, int, int] | None = None):
   the combine; tiles from `blocks` (block_m, block_n, block_k) or, when None, from
   `tuning.moe_blocks` (`kernels.KernelTuning`) for the step's pairs. Where the rule picks
   none the GEMMs are `lax.ragged_dot`'s."""
-  from ddtree_jax import moe  # pylint: disable=import-outside-toplevel
 
   def launch(lhs, rhs):
     b = blocks or tuning.moe_blocks(lhs.shape[0])
@@ -223,7 +224,6 @@ def expert_ops(tuning, blocks: tuple[int, int, int] | None = None):
 def pair_ops(tuning, blocks: tuple[int, int, int] | None = None):
   """`moe.PairOps` on `pair_matmul`: gate/up with its SwiGLU fused, then down, one tile per
   pair, tiles from `blocks` (block_m, block_n, block_k) or `tuning.moe_pair_blocks`."""
-  from ddtree_jax import moe  # pylint: disable=import-outside-toplevel
   b = blocks or tuning.moe_pair_blocks
   kw = dict(block_m=b[0], block_n=b[1], block_k=b[2], interpret=tuning.interpret)
 

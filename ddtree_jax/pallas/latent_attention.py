@@ -23,7 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ddtree_jax.attention import NEG_INF
+from ddtree_jax.models.attention import NEG_INF
 
 
 def pow2(n: int) -> int:

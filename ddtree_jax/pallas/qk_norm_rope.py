@@ -1,17 +1,17 @@
 """Pallas (Triton GPU) kernel: Qwen3's q/k RMSNorm + RoPE and the v rows, in one launch, from
 the q/k/v projections' output or its split-K partials.
 
-`project_qk_norm_rope` has `model.project_norm_rope`'s contract (`Kernels.project_qkv`),
-`qk_norm_rope` that of `model.norm_rope`. After the q and k/v projections XLA runs five small
+`project_qk_norm_rope` has `attention.project_norm_rope`'s contract (`Kernels.project_qkv`),
+`qk_norm_rope` that of `attention.norm_rope`. After the q and k/v projections XLA runs five small
 kernels per layer (the split-K sum with v's slice, k's norm, k's RoPE, q's norm, q's RoPE:
 RoPE's rotate-half concatenate keeps it out of the norm's fusion); this kernel does all of it. It reads
 one operand [S, R, N + 2K, D] (q heads, k heads, v heads per token row): S split-K partials of
 the projection (float32, summed here in split order) or S = 1, the projection itself. With a
-fused weight (`model.fuse_qkv`), `project_qk_norm_rope` makes the split explicit (a batched dot
+fused weight (`decoder.fuse_qkv`), `project_qk_norm_rope` makes the split explicit (a batched dot
 over S slices of the hidden dim), so the GEMM writes that operand; with separate wq and wkv, XLA
 sums its GEMM's partials and copies q and kv into it (one kernel). The math and its roundings
-to the activation dtype are those of `model.rms_norm` then `model.apply_rope`, op by op (bit for
-bit in bf16 against `model.norm_rope` run op by op, on CPU and on the H200; a fused XLA:GPU
+to the activation dtype are those of `ops.rms_norm` then `ops.apply_rope`, op by op (bit for
+bit in bf16 against `attention.norm_rope` run op by op, on CPU and on the H200; a fused XLA:GPU
 program may keep excess precision between ops, so it can differ from the kernel in the last bf16
 bit).
 
@@ -28,9 +28,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from ddtree_jax import model
-from ddtree_jax.attention import einsum_f32
-from ddtree_jax.kernels import KernelTuning
+from ddtree_jax.models import attention
+from ddtree_jax.models.ops import dense, einsum_f32, split_qkv
+from ddtree_jax.pallas.tuning import KernelTuning
 
 
 def _norm_rope(x1, x2, w1, w2, c, s, eps, dt):
@@ -90,16 +90,16 @@ def supported(d: int, dtypes) -> bool:
 def qkv_norm_rope(parts, q_norm, k_norm, cos, sin, *, n, eps, interpret=None):
   """parts [S, B, T, N + 2K, D]: the q/k/v projection's S split-K partials (float32) or S = 1
   and the projection itself, n = N its q heads; norms [D], cos/sin [B, T, D]
-  (`model.rope_tables`: their two halves are equal, the kernel reads one) -> q [B, T, N, D],
+  (`ops.rope_tables`: their two halves are equal, the kernel reads one) -> q [B, T, N, D],
   k, v [B, T, K, D], q and k normed and RoPE'd, in cos's dtype. Without q/k norms, with a D/2
-  that is not a power of two or mixed dtypes: the sum and `model.norm_rope` in XLA.
+  that is not a power of two or mixed dtypes: the sum and `attention.norm_rope` in XLA.
 
   interpret: None = interpret mode on a CPU default backend, compiled Triton otherwise."""
   s, b, t, heads, d = parts.shape
   kh, dtype = (heads - n) // 2, cos.dtype
   if q_norm is None or k_norm is None or not supported(d, (q_norm.dtype, k_norm.dtype, dtype)):
-    q, kv = model.split_qkv((jnp.sum(parts, axis=0) if s > 1 else parts[0]).astype(dtype), n)
-    return model.norm_rope(q, kv, q_norm, k_norm, cos, sin, eps=eps)
+    q, kv = split_qkv((jnp.sum(parts, axis=0) if s > 1 else parts[0]).astype(dtype), n)
+    return attention.norm_rope(q, kv, q_norm, k_norm, cos, sin, eps=eps)
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
   # A k/v block of kb heads starts at a multiple of kb, so kb divides N as well as K.
@@ -129,34 +129,34 @@ def qkv_norm_rope(parts, q_norm, k_norm, cos, sin, *, n, eps, interpret=None):
 
 
 def qk_norm_rope(q, kv, q_norm, k_norm, cos, sin, *, eps, interpret=None):
-  """`model.norm_rope`'s contract: q [B, T, N, D], kv [B, T, 2, K, D] (two projections) -> q,
+  """`attention.norm_rope`'s contract: q [B, T, N, D], kv [B, T, 2, K, D] (two projections) -> q,
   k [B, T, N|K, D] normed and RoPE'd, v [B, T, K, D]. XLA writes q and kv into the kernel's one
   operand (with its GEMM's split-K sums, in one kernel), then `qkv_norm_rope`."""
   b, t, n, d = q.shape
   if len({q.dtype, kv.dtype, cos.dtype}) != 1:
-    return model.norm_rope(q, kv, q_norm, k_norm, cos, sin, eps=eps)
+    return attention.norm_rope(q, kv, q_norm, k_norm, cos, sin, eps=eps)
   parts = jnp.concatenate([q, kv.reshape(b, t, -1, d)], axis=2)[None]
   return qkv_norm_rope(parts, q_norm, k_norm, cos, sin, n=n, eps=eps, interpret=interpret)
 
 
 def project_qk_norm_rope(layer, h, cos, sin, *, eps, splits=None,
                          tuning: KernelTuning = KernelTuning(), interpret=None):
-  """`model.project_norm_rope` (`Kernels.project_qkv`) with the norms and RoPE in the kernel:
-  h [B, T, H]. A fused layer (`model.fuse_qkv`) with splits (None: the tuning's
+  """`attention.project_norm_rope` (`Kernels.project_qkv`) with the norms and RoPE in the kernel:
+  h [B, T, H]. A fused layer (`decoder.fuse_qkv`) with splits (None: the tuning's
   `qkv_split_count` for B x T rows) >= 2 dividing H runs its projection as a batched dot over
-  slices of H into float32 partials, which the kernel sums; otherwise `model.dense` feeds it.
+  slices of H into float32 partials, which the kernel sums; otherwise `ops.dense` feeds it.
   Where the kernel does not apply (no q/k norms, D/2 not a power of two, h, a fused weight,
-  norms and cos of more than one dtype): `model.project_norm_rope`, unsplit. interpret: as
+  norms and cos of more than one dtype): `attention.project_norm_rope`, unsplit. interpret: as
   `qkv_norm_rope`'s (None: the tuning's)."""
   w = layer.wqkv
   dtypes = {h.dtype, cos.dtype} | ({w.dtype} if w is not None else set())
   if (layer.q_norm is None or layer.k_norm is None or
       not supported(cos.shape[-1], dtypes | {layer.q_norm.dtype, layer.k_norm.dtype})):
-    return model.project_norm_rope(layer, h, cos, sin, eps=eps)
+    return attention.project_norm_rope(layer, h, cos, sin, eps=eps)
   interpret = tuning.interpret if interpret is None else interpret
   if w is None:
-    return qk_norm_rope(model.dense("bth,hnd->btnd", h, layer.wq),
-                        model.dense("bth,hskd->btskd", h, layer.wkv), layer.q_norm, layer.k_norm,
+    return qk_norm_rope(dense("bth,hnd->btnd", h, layer.wq),
+                        dense("bth,hskd->btskd", h, layer.wkv), layer.q_norm, layer.k_norm,
                         cos, sin, eps=eps, interpret=interpret)
   b, t, hid = h.shape
   n = layer.wo.shape[0]
@@ -166,6 +166,6 @@ def project_qk_norm_rope(layer, h, cos, sin, *, eps, splits=None,
                        w.reshape(s, hid // s, w.shape[1] * w.shape[2]))
     parts = parts.reshape((s, b, t) + w.shape[1:])
   else:
-    parts = model.dense("bth,hnd->btnd", h, w)[None]
+    parts = dense("bth,hnd->btnd", h, w)[None]
   return qkv_norm_rope(parts, layer.q_norm, layer.k_norm, cos, sin, n=n, eps=eps,
                        interpret=interpret)

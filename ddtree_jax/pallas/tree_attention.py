@@ -1,6 +1,6 @@
 """Pallas (Triton GPU) kernel for tree attention over a cached prefix: split-K flash decoding.
 
-Same contract as ``ddtree_jax.attention.attend_xla``: every query token sees the cached prefix rows
+Same contract as ``ddtree_jax.models.attention.attend_xla``: every query token sees the cached prefix rows
 ``[0, prefix_len[b])`` of its own sequence plus the new tokens its row of ``new_mask`` allows. One
 kernel serves prefill, AR decode (T=1), tree verification (T = budget+1) and the drafter block.
 
@@ -34,7 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ddtree_jax.kernels import DEFAULT_SM_COUNT, KernelTuning
+from ddtree_jax.pallas.tuning import DEFAULT_SM_COUNT, KernelTuning
 
 NEG_INF = -1e30  # finite, so fully masked rows never produce inf - inf = NaN
 LOG2_E = 1.4426950408889634  # scores are kept in base 2 in the kernel: exp2 is the fast path
@@ -128,8 +128,8 @@ def _kernel(plen_ref, layer_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, mask_ref, 
                                                       pl.cdiv(t_len, block_n), num_splits)
 
   def prefix_block(i, carry):
-    # (One loop with masked loads everywhere measured faster on an H200 than an unmasked loop over
-    # the full blocks plus a masked tail.)
+    # One loop with masked loads everywhere: an unmasked loop over the full blocks plus a masked
+    # tail was tried, and was slower on the H200.
     start = i * block_k
     key_ok = (start + jnp.arange(block_k)) < plen                 # [block_k]
     kv_mask = _and(key_ok[:, None], d_ok2)
@@ -174,8 +174,7 @@ def _kernel(plen_ref, layer_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, mask_ref, 
 
 def default_config(batch, t_len, hq, hkv, cap, head_dim, *, sm_count=DEFAULT_SM_COUNT):
   """The launch rule: (block_t, block_k, block_n, num_splits, num_warps, num_stages), fitted to
-  H200 measurements (experiments/perf/sweep_attention.py; WORKSPACE.md, Findings: Attention
-  kernel)."""
+  H200 measurements (experiments/perf/sweep_attention.py; docs/findings/attention-kernel.md)."""
   g = hq // hkv
   gp = _next_pow2(g)
   sm = sm_count

@@ -32,13 +32,14 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from ddtree_jax.attention import attend_xla
-from ddtree_jax.pallas import attention_config, tree_attention
+from ddtree_jax.models.attention import attend_xla
+from ddtree_jax.pallas.tree_attention import attention_config, tree_attention
 from ddtree_jax import engine
-from experiments.perf import harness
+from experiments.perf import common_flags, harness
 
 warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
 
+common_flags.define("smoke", "round_ms", "rounds")
 flags.DEFINE_string("prefixes", "1024,4096,16384,32768", "prefix lengths")
 flags.DEFINE_string("tokens", "16,32,64,128,256", "tree tokens T")
 flags.DEFINE_string("batches", "1,8", "batch sizes")
@@ -48,16 +49,12 @@ flags.DEFINE_integer("head_dim", 128, "head dim")
 flags.DEFINE_integer("capacity_slack", 0, "cache capacity S = prefix + slack (attend_xla and "
                      "the dense baselines pay for S, Pallas not)")
 flags.DEFINE_string("impls", "pallas,xla,dpa_xla,dpa_cudnn", "implementations timed")
-flags.DEFINE_float("round_ms", 10.0, "target duration of a timed round")
-flags.DEFINE_integer("rounds", 5, "timed rounds (median)")
 flags.DEFINE_integer("copy_mib", 1024, "size of the copy-bandwidth array")
 flags.DEFINE_integer("block_k", None, "tree_attention launch parameter (default: the rule's)")
 flags.DEFINE_integer("block_rows", None, "tree_attention launch parameter")
 flags.DEFINE_integer("num_splits", None, "tree_attention launch parameter")
 flags.DEFINE_integer("num_warps", None, "tree_attention launch parameter")
 flags.DEFINE_integer("num_stages", None, "tree_attention launch parameter")
-flags.DEFINE_bool("smoke", False, "tiny shapes, few repeats (CPU ok)")
-FLAGS = flags.FLAGS
 
 SMOKE = dict(prefixes="64", tokens="4", batches="1", hq=4, hkv=2, head_dim=64, rounds=2,
              round_ms=1.0, copy_mib=4, impls="pallas,xla,dpa_xla")
@@ -92,8 +89,7 @@ engine.define_compilation_cache_flags()
 
 
 def main(_):
-  engine.compilation_cache_from_flags()
-  args = harness.settings(FLAGS, SMOKE)
+  args = common_flags.start(SMOKE)
   impls = args.impls.split(",")
   interpret = jax.default_backend() == "cpu"
   dev = jax.devices()[0]

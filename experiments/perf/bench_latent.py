@@ -24,36 +24,30 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from ddtree_jax import engine, mla
+from ddtree_jax import engine
+from ddtree_jax.models import mla
 from ddtree_jax.kernels import Kernels
-from experiments.perf import harness
+from experiments.perf import common_flags, harness
 
 warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
 
-flags.DEFINE_bool("smoke", False, "tiny shapes in interpret mode (CPU)")
+common_flags.define("smoke", "batch", "round_ms", "rounds", "floor_bandwidth", "json_out")
 flags.DEFINE_string("heads", "16,64,128", "query heads N (Moonlight 16, Kimi-K2 64, DeepSeek-V3 128)")
 flags.DEFINE_string("prefixes", "4096,8192,16384,32768", "cached latent rows per sequence")
 flags.DEFINE_string("tokens", "1,17,65", "new rows T (1 = decode; a tree of T - 1 drafts + root)")
-flags.DEFINE_integer("batch", 1, "sequences")
 flags.DEFINE_integer("latent", 512, "kv_lora_rank C")
 flags.DEFINE_integer("rope", 64, "qk_rope_head_dim R")
-flags.DEFINE_float("round_ms", 10.0, "target length of one timed round")
-flags.DEFINE_integer("rounds", 5, "timed rounds (median)")
-flags.DEFINE_float("floor_bandwidth", 4.3e12, "bytes per second of the floor")
 flags.DEFINE_string("pallas", "128x64", "comma list of Pallas launches, each SPLIT_ROWSx"
                     "MAX_SPLITS[:BLOCK_QxBLOCK_KxWARPSxSTAGES] (KernelTuning's "
                     "latent_split_rows, latent_max_splits and latent_launch, whose default "
                     "fills in a missing launch), each timed wherever it runs")
-flags.DEFINE_string("json_out", "", "append each row here as a JSON line")
-FLAGS = flags.FLAGS
 
 SMOKE = dict(heads="4", prefixes="96", tokens="1,5", latent=32, rope=16, round_ms=1.0, rounds=1,
              pallas="32x4,16x8:16x16x4x1")
 
 
 def main(_):
-  engine.compilation_cache_from_flags()
-  a = harness.settings(FLAGS, SMOKE)
+  a = common_flags.start(SMOKE)
   c, r, b = a.latent, a.rope, a.batch
   scale = (128 + r) ** -0.5
   impls = {"xla": mla.attend_latent}

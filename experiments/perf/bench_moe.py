@@ -38,11 +38,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax import decode, engine, model, moe, sharding
+from ddtree_jax import engine, sharding
+from ddtree_jax.spec import decode
+from ddtree_jax.models import decoder
+from ddtree_jax.models import moe
 from ddtree_jax.kernels import KernelTuning, Kernels
-from experiments.perf import harness
+from experiments.perf import common_flags, harness
 
-flags.DEFINE_bool("small", False, "tiny shapes (CPU smoke run)")
+common_flags.define("small", "prefix", "repeats", "compile_threads", "floor_bandwidth",
+                    "json_out")
 flags.DEFINE_string("latent", "default", "MLA shapes' latent attention: default (KernelTuning's "
                     "rule), xla, or the Pallas kernel wherever it runs at a launch SPLIT_ROWSx"
                     "MAX_SPLITS[:BLOCK_QxBLOCK_KxWARPSxSTAGES] (harness.latent_tuning)")
@@ -62,12 +66,7 @@ flags.DEFINE_string("verify_layers", "", "verify section: also the target cut to
 flags.DEFINE_string("loop_runs", "1:ar,chain,1,4,16,32,64,128,512;8:ar,chain,4,16,64,128",
                     "loop section: 'batch:run,run;...', a run ar, chain or a DDTree budget (ar "
                     "first: the x AR column); each batch compiled, then timed, in turn")
-flags.DEFINE_integer("prefix", 1024, "cached prefix per sequence")
 flags.DEFINE_integer("steps", 8, "decode steps timed per loop row")
-flags.DEFINE_integer("repeats", 5, "timed repeats (median)")
-flags.DEFINE_integer("compile_threads", 8, "loop programs compiled concurrently")
-flags.DEFINE_float("floor_bandwidth", 4.3e12, "bytes per second of the floors")
-flags.DEFINE_string("json_out", "", "append each row here as a JSON line")
 sharding.define_mesh_flags()
 sharding.define_layout_flag()
 FLAGS = flags.FLAGS
@@ -126,7 +125,7 @@ def first_layers(params, cfg, n: int):
 
 
 def main(_):
-  engine.compilation_cache_from_flags()
+  common_flags.start()
   small, sections = FLAGS.small, FLAGS.sections.split(",")
   tcfg = harness.target_config(small, FLAGS.shape)
   mesh, rules = sharding.mesh_from_flags(), sharding.rules_from_flags()
@@ -156,13 +155,13 @@ def main(_):
     experts = sum(l.moe.w_gate_up.nbytes + l.moe.w_down.nbytes for l in p.layers if l.moe)
     heads, k_dim, v_dim = c.cache_layout
     kv = c.num_layers * heads * (k_dim + v_dim) * 2
-    dense = model.param_bytes(p) - experts - p.embed.nbytes
+    dense = decoder.param_bytes(p) - experts - p.embed.nbytes
     return (dense + int(np.sum(counts)) * expert_bytes + b * prefix * kv) / bw * 1e3
 
-  print(f"devices {jax.devices()}  target {model.param_bytes(tp) / 1e9:.2f} GB (routers "
+  print(f"devices {jax.devices()}  target {decoder.param_bytes(tp) / 1e9:.2f} GB (routers "
         f"{router_bytes / 1e9:.3f}, floor of the non-expert weights and a 1-row prefix "
         f"{floor_ms([], 1):.3f} ms)  expert {expert_bytes / 1e6:.2f} MB  drafter "
-        f"{model.param_bytes(dp) / 1e9 if dp else 0:.2f} GB", flush=True)
+        f"{decoder.param_bytes(dp) / 1e9 if dp else 0:.2f} GB", flush=True)
   if "copy" in sections:
     emit({"section": "copy", "bandwidth_GBps": harness.copy_bandwidth(small) / 1e9})
 
@@ -180,7 +179,7 @@ def main(_):
     batch's union. Run eagerly (op by op): a compile per shape would cost more than the run."""
     toks, pos, cache, mask = random_state(b, t, key, c)
     counts = []
-    model.forward(p, c, toks, pos, cache, mask, kernels=counting_kernels(count_kern, counts))
+    decoder.forward(p, c, toks, pos, cache, mask, kernels=counting_kernels(count_kern, counts))
     return np.asarray(jnp.stack(counts))
 
   if "verify" in sections:
@@ -189,8 +188,8 @@ def main(_):
 
       @functools.partial(jax.jit, static_argnums=0)
       def verify_forward(c, p, toks, pos, cache, mask):
-        hidden, _, _, _ = model.forward(p, c, toks, pos, cache, mask, kernels=kern)
-        return jnp.argmax(model.lm_head(p, hidden), axis=-1)
+        hidden, _, _, _ = decoder.forward(p, c, toks, pos, cache, mask, kernels=kern)
+        return jnp.argmax(decoder.lm_head(p, hidden), axis=-1)
 
       for t in harness.ints(FLAGS.verify_tokens):
         counts = routed(1, t, p=p, c=c)

@@ -7,7 +7,7 @@ RMSNorm kernel. Pallas: the GEMM as an explicit batched dot over S slices of the
 over `--copies` distinct weight copies (so no weight stays in L2): x' feeds the next add and the
 normed h' the next projection's input (tiled to the contracted dim, the same op for both sides);
 the table gives microseconds per site. In the decode step the fused form gained more than this
-isolated chain shows (WORKSPACE.md, Findings: Fused glue kernels): measure changes with
+isolated chain shows (docs/findings/fused-glue-kernels.md): measure changes with
 profile_step.py.
 
   python -m experiments.perf.bench_residual             # H200, ~1 minute
@@ -20,19 +20,18 @@ from absl import app, flags
 import jax
 import jax.numpy as jnp
 
-from ddtree_jax import engine, model
+from ddtree_jax import engine
+from ddtree_jax.models import ops
 from ddtree_jax.kernels import KernelTuning
 from ddtree_jax.pallas import add_rms_norm as arn
-from experiments.perf import harness
+from experiments.perf import common_flags, harness
 
+common_flags.define("smoke", "rounds")
 flags.DEFINE_string("rows", "1,16,33,65,130", "token rows")
 flags.DEFINE_string("splits", "1,2,4,8,16", "split-K counts")
 flags.DEFINE_integer("hidden", 4096, "hidden size")
 flags.DEFINE_string("sites", "o:4096,down:12288", "name:contracted dim, comma-separated")
 flags.DEFINE_integer("copies", 8, "distinct weight copies chained per step")
-flags.DEFINE_integer("rounds", 5, "timed rounds (median)")
-flags.DEFINE_bool("smoke", False, "tiny shapes on CPU")
-FLAGS = flags.FLAGS
 
 SMOKE = dict(hidden=64, copies=2, sites="o:64,down:128", rows="1,5", splits="1,2")
 
@@ -41,8 +40,7 @@ engine.define_compilation_cache_flags()
 
 
 def main(_):
-  engine.compilation_cache_from_flags()
-  args = harness.settings(FLAGS, SMOKE)
+  args = common_flags.start(SMOKE)
   h, trips = args.hidden, 2 if args.smoke else 100
   rows, splits = harness.ints(args.rows), harness.ints(args.splits)
   rule = KernelTuning().residual_split_count
@@ -70,8 +68,8 @@ def main(_):
           return x, hn
         return step
 
-      want = model.residual_norm(x, "btc,ch->bth", a, ws[0], norm, eps=eps)
-      row = [harness.fori_seconds(chain(model.residual_norm), (x, x), tuple(ws), 20.0,
+      want = ops.residual_norm(x, "btc,ch->bth", a, ws[0], norm, eps=eps)
+      row = [harness.fori_seconds(chain(ops.residual_norm), (x, x), tuple(ws), 20.0,
                                   args.rounds, trips)[0] / args.copies * 1e6]
       for s in splits:
         if c % s:

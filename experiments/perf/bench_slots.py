@@ -26,17 +26,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax import decode, engine, row_sampling, slot_programs, slots
+from ddtree_jax import engine
+from ddtree_jax.request import default_attention
+from ddtree_jax.spec import decode
+from ddtree_jax.spec import sampling as row_sampling
+from ddtree_jax.serving import programs as slot_programs
+from ddtree_jax.serving import slots
 from ddtree_jax.kernels import Kernels
-from experiments.perf import harness
+from experiments.perf import common_flags, harness
 
-flags.DEFINE_bool("small", False, "tiny shapes (CPU smoke run)")
-flags.DEFINE_string("runs", "ar,16,64", "comma list: ar, chain or a DDTree budget")
+common_flags.define("small", "prefix", "compile_threads", "json_out", runs="ar,16,64")
 flags.DEFINE_string("slots", "1,8,16,32", "decode slots (the batch of both programs)")
 flags.DEFINE_integer("steps", 16, "decode steps per timed call (the chunk's K)")
-flags.DEFINE_integer("prefix", 1024, "cached prefix per row")
 flags.DEFINE_integer("repeats", 5, "timed calls per program (median), after one warm-up call")
-flags.DEFINE_integer("compile_threads", 8, "programs compiled concurrently")
 flags.DEFINE_string("drafter", "int8:v32768", "bf16 or int8, optionally ':vN' (drafting over "
                     "ids 0..N-1), as bench_step's --drafters")
 flags.DEFINE_string("attention", "", "xla or pallas ('' = pallas on GPU, xla on CPU)")
@@ -44,7 +46,6 @@ flags.DEFINE_float("temperature", 0.0, "> 0: every row samples (the static loop 
                    "temperature, every slot at it), else both greedy")
 flags.DEFINE_bool("sampling", True, "the slot program with its sampling branch (the server's "
                   "default); --nosampling: the greedy-only program (SlotConfig.sampling=False)")
-flags.DEFINE_string("json_out", "", "append each row here as a JSON line")
 FLAGS = flags.FLAGS
 engine.define_compilation_cache_flags()
 
@@ -104,7 +105,7 @@ def time_pair(case, static, chunk, settings):
 
 
 def main(_):
-  engine.compilation_cache_from_flags()
+  common_flags.start()
   t_start = time.perf_counter()
   small = FLAGS.small
   tcfg = harness.target_config(small)
@@ -118,7 +119,7 @@ def main(_):
     dp = harness.drafter_variants(dp, tp, [drafter])[drafter]
   except ValueError as e:
     raise app.UsageError(f"--drafter: {e}") from None
-  attention = FLAGS.attention or ("pallas" if jax.default_backend() == "gpu" else "xla")
+  attention = FLAGS.attention or default_attention()
   prefix = 64 if small else FLAGS.prefix
   print(f"devices: {jax.devices()}  {attention} attention, prefix {prefix}, {FLAGS.steps} "
         f"steps per call, temperature {FLAGS.temperature}, sampling branch {FLAGS.sampling}",

@@ -14,9 +14,9 @@ so a row runs --steps steps; a K that does not divide them adds idle steps (thei
 the steps do not).
 
 A row's step time is one call's wall time over its steps, so it includes the call's fixed cost
-(dispatch, the first condition check, the final sync and a slower first step: WORKSPACE.md,
-Findings: Host loop and CUDA graphs), spread over --steps. With --marginal_steps=N every ar/spec
-row is also compiled for N steps and both lengths are timed alternately: `round` is the slope (ms
+(dispatch, the first condition check, the final sync and a slower first step:
+docs/findings/host-loop-and-cuda-graphs.md), spread over --steps. With --marginal_steps=N every
+ar/spec row is also compiled for N steps and both lengths are timed alternately: `round` is the slope (ms
 per extra step, a round's time without the per-call cost) and `per-call` the intercept. Every
 row's cache then has room for N steps, so both lengths run the same kernels.
 """
@@ -28,11 +28,14 @@ from absl import app, flags
 import jax
 import numpy as np
 
-from ddtree_jax import decode, engine, model, profiling, sharding
+from ddtree_jax import engine, sharding
+from ddtree_jax.spec import decode
+from ddtree_jax.models import decoder
+from ddtree_jax.tools import profiling
 from ddtree_jax.kernels import Kernels
-from experiments.perf import harness
+from experiments.perf import common_flags, harness
 
-flags.DEFINE_bool("small", False, "tiny shapes (CPU smoke run)")
+common_flags.define("small", "repeats", "json_out", "fuse_qkv", compile_threads=1)
 flags.DEFINE_string("sections", "copy,ar,spec,host",
                     "comma list of: copy, compile (serial compile seconds per program), ar, spec, host")
 flags.DEFINE_string("budgets", "chain,1,4,16,32,64,128,256",
@@ -41,17 +44,12 @@ flags.DEFINE_string("batches", "1,8", "batch sizes")
 flags.DEFINE_string("prefixes", "1024,8192", "AR prefix lengths")
 flags.DEFINE_string("spec_prefixes", "1024", "prefix lengths of chain/ddtree rows (first: full sweep)")
 flags.DEFINE_string("alt_runs", "chain,32", "spec runs for the other attentions / prefixes")
-flags.DEFINE_integer("compile_threads", 1, "programs of a group compiled concurrently (threads)")
 flags.DEFINE_string("attention", "xla", "comma list: xla, pallas (first: full sweep)")
 flags.DEFINE_integer("steps", 32, "decode steps timed per row")
-flags.DEFINE_integer("repeats", 5, "timed repeats (median)")
-flags.DEFINE_string("json_out", "", "append each row here as a JSON line as soon as measured")
 flags.DEFINE_string("drafters", "bf16", "comma list: bf16, int8 (int8 W8A8 drafter with its "
                     "own int8 lm_head, drafter.quantize_int8), each optionally with ':vN' (drafts "
                     "over ids 0..N-1 only, drafter.restrict_vocab), e.g. int8:v32768; spec rows "
                     "run for each")
-flags.DEFINE_bool("fuse_qkv", True, "without a mesh, fuse the target's q and k/v weights into "
-                  "one (model.fuse_qkv), as checkpoint.load_target does")
 flags.DEFINE_bool("stages", True, "also time the stages as separate programs")
 flags.DEFINE_integer("steps_per_check", 1, "decode steps per check of the loop's stop condition "
                      "(LoopConfig.steps_per_check; ar and spec rows)")
@@ -113,12 +111,12 @@ def main(_):
   batches = harness.ints(FLAGS.batches)
   attns = FLAGS.attention.split(",")
   spec_prefixes = harness.ints(FLAGS.spec_prefixes)
-  print(f"devices: {jax.devices()}  target params {model.param_bytes(tp) / 1e9:.2f} GB  "
-        "drafter " + ", ".join(f"{k} {model.param_bytes(v) / 1e9:.2f} GB" for k, v in dps.items()),
+  print(f"devices: {jax.devices()}  target params {decoder.param_bytes(tp) / 1e9:.2f} GB  "
+        "drafter " + ", ".join(f"{k} {decoder.param_bytes(v) / 1e9:.2f} GB" for k, v in dps.items()),
         flush=True)
   bw = harness.copy_bandwidth(small)
   emit({"section": "copy", "bandwidth_GBps": bw / 1e9}, mesh)
-  weight_bytes = model.param_bytes(tp) - tp.embed.size * tp.embed.dtype.itemsize
+  weight_bytes = decoder.param_bytes(tp) - tp.embed.size * tp.embed.dtype.itemsize
   kv_row = 2 * tcfg.num_layers * tcfg.num_kv_heads * tcfg.head_dim * 2  # bytes per token per seq
   steps = FLAGS.steps
 
@@ -207,7 +205,7 @@ def main(_):
 
   if "host" in sections:  # while_loop vs Python loop over the jitted step, small model
     scfg = harness.target_config(True)
-    sp = model.init_params(scfg, key)
+    sp = decoder.init_params(scfg, key)
     sdp, sdcfg = harness.random_drafter(scfg, jax.random.key(1), True)
     for method, budget in (("ar", 0), ("ddtree", 32)):
       lc = decode.LoopConfig(method=method, max_new_tokens=129, num_drafts=15 if budget else 0,

@@ -40,10 +40,12 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from ddtree_jax import decode, model, sharding  # noqa: E402
-from ddtree_jax import tree as tree_lib  # noqa: E402
-from ddtree_jax import drafter as drafter_lib  # noqa: E402
-from ddtree_jax.config import ModelConfig  # noqa: E402
+from ddtree_jax import sharding
+from ddtree_jax.spec import decode
+from ddtree_jax.models import decoder  # noqa: E402
+from ddtree_jax.spec import tree as tree_lib  # noqa: E402
+from ddtree_jax.models import drafter as drafter_lib  # noqa: E402
+from ddtree_jax.models.config import ModelConfig  # noqa: E402
 from ddtree_jax.kernels import Kernels  # noqa: E402
 from experiments.perf import harness  # noqa: E402
 
@@ -212,7 +214,7 @@ def _drafter(p: Program, cfg: ModelConfig, tparams):
   h = cfg.hidden_size
 
   def init():
-    layers = model.init_params(dcfg.layers, jax.random.key(1)).layers
+    layers = decoder.init_params(dcfg.layers, jax.random.key(1)).layers
     return drafter_lib.DrafterParams(fc=jnp.zeros((2 * h, h), jnp.bfloat16),
                                      hidden_norm=jnp.ones((h,), jnp.bfloat16), layers=layers,
                                      final_norm=jnp.ones((h,), jnp.bfloat16))
@@ -234,7 +236,7 @@ def lower(p: Program):
       lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), t,
       sharding.shardings(t, mesh, p.rules))
   cfg = _target_cfg(p)
-  tparams = put(jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0))))
+  tparams = put(jax.eval_shape(lambda: decoder.init_params(cfg, jax.random.key(0))))
   kern = Kernels(p.attention, mesh, p.rules)
   dparams, dcfg = (None, None) if p.method in ("ar", "forward") else _drafter(p, cfg, tparams)
   lc = decode.LoopConfig(method="ddtree" if p.method == "verify" else p.method,
@@ -250,8 +252,8 @@ def lower(p: Program):
                                                 else NamedSharding(mesh, P("dp" if dp else None)))
   if p.method == "forward":  # bench_moe's verify section: forward + lm_head + argmax
     def forward(tp, toks, pos, cache, mask):
-      hidden, _, _, _ = model.forward(tp, cfg, toks, pos, cache, mask, kernels=kern)
-      return jnp.argmax(model.lm_head(tp, hidden), axis=-1)
+      hidden, _, _, _ = decoder.forward(tp, cfg, toks, pos, cache, mask, kernels=kern)
+      return jnp.argmax(decoder.lm_head(tp, hidden), axis=-1)
     return jax.jit(forward).lower(tparams, rows(jnp.int32, t), rows(jnp.int32, t), state.cache,
                                   rows(jnp.bool_, t, t))
   # the DDTree step's verify stage alone (profiling.compile_stages' "verify" program)

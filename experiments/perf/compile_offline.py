@@ -2,7 +2,8 @@
 
 XLA's GPU compiler runs on the host; JAX compiles for a described device (no autotuning, so real
 compiles take longer, but a compile that blows up shows up here too: this is how the DDTree
-ancestor-chain trap was found: WORKSPACE.md, Findings: Compile time). Needs the CUDA plugin with its toolchain:
+ancestor-chain trap was found: docs/findings/compile-time.md). Needs the CUDA plugin with its
+toolchain:
 
   pip install 'jax-cuda13-plugin[with-cuda]==0.11.2' jax-cuda13-pjrt==0.11.2
   JAX_PLATFORMS=cpu python -m experiments.perf.compile_offline --runs=ar,chain,32,256 \
@@ -30,23 +31,17 @@ from absl import app, flags
 import jax
 from jax.experimental.topologies import get_topology_desc
 
-from ddtree_jax import decode, engine, model, profiling, sharding
-from ddtree_jax import drafter as drafter_lib
+from ddtree_jax import engine, sharding
+from ddtree_jax.spec import decode
+from ddtree_jax.models import decoder
+from ddtree_jax.tools import profiling
+from ddtree_jax.models import drafter as drafter_lib
 from ddtree_jax.kernels import Kernels, KernelTuning
-from experiments.perf import harness
+from experiments.perf import common_flags, harness
 
-flags.DEFINE_bool("small", False, "tiny shapes")
-flags.DEFINE_string("shape", "qwen3-8b", "target shape (harness.SHAPES)")
-flags.DEFINE_string("attention", "xla", "xla or pallas")
-flags.DEFINE_bool("fuse_qkv", True, "at tp=1, fuse the target's q and k/v weights into one "
-                  "(model.fuse_qkv), as checkpoint.load_target does")
-flags.DEFINE_string("runs", "ar,chain,32,256", "ar, chain or ddtree budgets")
-flags.DEFINE_integer("batch", 1, "batch size")
-flags.DEFINE_integer("prefix", 1024, "committed prefix length")
+common_flags.define("small", "shape", "attention", "fuse_qkv", "batch", "prefix", "drafter_int8",
+                    "draft_vocab_first", runs="ar,chain,32,256")
 flags.DEFINE_integer("tp", 1, "tensor-parallel devices (a mesh of that many H200s when > 1)")
-flags.DEFINE_bool("drafter_int8", False, "an int8 (W8A8) drafter (drafter.quantize_int8)")
-flags.DEFINE_integer("draft_vocab_first", 0, "draft over ids 0..N-1 only (drafter.restrict_vocab), "
-                     "as profile_step.py's flag; 0 = the full vocabulary")
 flags.DEFINE_string("hlo_dir", "", "write each optimized HLO here, count its collectives and its "
                     "loop body's kernels per stage")
 flags.DEFINE_bool("triton", False, "lower the Pallas kernels to Triton for an abstract H200 (as on "
@@ -72,7 +67,7 @@ engine.define_compilation_cache_flags(default=False)  # compile times are what i
 
 
 def main(_):
-  engine.compilation_cache_from_flags()
+  common_flags.start()
   if FLAGS.triton:
     if FLAGS.tp > 1:
       raise app.UsageError("--triton lowers for one abstract H200: use --tp=1")
@@ -91,9 +86,9 @@ def main(_):
     put = lambda t: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_gpu),
                                  t)
   tcfg = harness.target_config(FLAGS.small, FLAGS.shape)
-  tparams = jax.eval_shape(lambda: model.init_params(tcfg, jax.random.key(0)))
+  tparams = jax.eval_shape(lambda: decoder.init_params(tcfg, jax.random.key(0)))
   if FLAGS.tp == 1 and FLAGS.fuse_qkv:
-    tparams = jax.eval_shape(model.fuse_qkv, tparams)
+    tparams = jax.eval_shape(decoder.fuse_qkv, tparams)
   dcfg = harness.drafter_config(tcfg, FLAGS.small)
   dparams = jax.eval_shape(lambda: harness.random_drafter(tcfg, jax.random.key(1),
                                                           FLAGS.small)[0])

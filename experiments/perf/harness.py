@@ -1,6 +1,6 @@
 """Shared plumbing of the performance scripts: the Qwen3-8B-shaped random target and its 5-layer
-DFlash drafter, random decode states, compiling and timing decode loops, and timing one jitted
-step n times on device.
+DFlash drafter (the random models of experiments/workflow.py too), random decode states,
+compiling and timing decode loops, and timing one jitted step n times on device.
 
 Every setting is an argument (mesh, cache rows, kernels); nothing here is global. A `Case` is one
 decode program: models, loop config, batch, prefix and cache capacity.
@@ -12,7 +12,6 @@ import concurrent.futures
 import dataclasses
 import statistics
 import time
-import types
 from typing import Any
 
 import jax
@@ -20,9 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ddtree_jax import decode, model, profiling, sharding
-from ddtree_jax.config import ModelConfig
-from ddtree_jax.drafter import DrafterConfig, DrafterParams, quantize_int8, restrict_vocab
+from ddtree_jax import sharding
+from ddtree_jax.spec import decode
+from ddtree_jax.models import decoder
+from ddtree_jax.tools import profiling
+from ddtree_jax.models.config import ModelConfig
+from ddtree_jax.models.drafter import DrafterConfig, DrafterParams, quantize_int8, restrict_vocab
 from ddtree_jax.kernels import KernelTuning
 
 
@@ -152,12 +154,12 @@ def target_config(small: bool = False, shape: str = "qwen3-8b") -> ModelConfig:
                      head_dim=128, rope_theta=1e6, max_position_embeddings=40960)
 
 
-def random_target(cfg: ModelConfig, key, mesh=None, fuse_qkv: bool = True,
-                  rules=None) -> model.Params:
-  """Random bf16 target weights placed on `mesh` by `rules`, or on one device fused
-  (`model.fuse_qkv`) as `checkpoint.load_target` does unless fuse_qkv=False."""
-  params = sharding.shard_params(model.init_params(cfg, key), mesh, rules)
-  return model.fuse_qkv(params) if mesh is None and fuse_qkv else params
+def random_target(cfg: ModelConfig, key, mesh=None, fuse_qkv: bool = True, rules=None,
+                  dtype=jnp.bfloat16) -> decoder.Params:
+  """Random target weights (bf16 unless dtype says) placed on `mesh` by `rules`, or on one
+  device fused (`decoder.fuse_qkv`) as `checkpoint.load_target` does unless fuse_qkv=False."""
+  params = sharding.shard_params(decoder.init_params(cfg, key, dtype), mesh, rules)
+  return decoder.fuse_qkv(params) if mesh is None and fuse_qkv else params
 
 
 def drafter_config(tcfg: ModelConfig, small: bool = False) -> DrafterConfig:
@@ -177,17 +179,23 @@ def drafter_config(tcfg: ModelConfig, small: bool = False) -> DrafterConfig:
                        target_layer_ids=ids)
 
 
+def random_drafter_params(tcfg: ModelConfig, dcfg: DrafterConfig, key, dtype=jnp.bfloat16,
+                          std: float = 0.02) -> DrafterParams:
+  """Random weights of the drafter dcfg for a target of config tcfg: N(0, std^2), norms ones."""
+  # its layers only: a vocabulary of 8 spares drawing an embedding and lm_head it does not have
+  lcfg = dataclasses.replace(dcfg.layers, vocab_size=8, tie_word_embeddings=True)
+  layers = decoder.init_params(lcfg, key, dtype, std).layers
+  k1, _ = jax.random.split(key)
+  h = tcfg.hidden_size
+  return DrafterParams(
+      fc=(std * jax.random.normal(k1, (len(dcfg.target_layer_ids) * h, h))).astype(dtype),
+      hidden_norm=jnp.ones((h,), dtype), layers=layers, final_norm=jnp.ones((h,), dtype))
+
+
 def random_drafter(tcfg: ModelConfig, key, small: bool = False):
   """(random bf16 DrafterParams, DrafterConfig) for a target of config tcfg."""
   cfg = drafter_config(tcfg, small)
-  p = model.init_params(cfg.layers, key)
-  k1, _ = jax.random.split(key)
-  h = tcfg.hidden_size
-  params = DrafterParams(
-      fc=(0.02 * jax.random.normal(k1, (len(cfg.target_layer_ids) * h, h))).astype(jnp.bfloat16),
-      hidden_norm=jnp.ones((h,), jnp.bfloat16), layers=p.layers,
-      final_norm=jnp.ones((h,), jnp.bfloat16))
-  return params, cfg
+  return random_drafter_params(tcfg, cfg, key), cfg
 
 
 def drafter_variants(dparams, tparams, names, mesh=None, rules=None) -> dict[str, Any]:
@@ -208,12 +216,12 @@ def drafter_variants(dparams, tparams, names, mesh=None, rules=None) -> dict[str
   return {name: out[name] for name in names}
 
 
-def random_cache(key, cfg: ModelConfig, batch: int, capacity: int, prefix: int) -> model.KVCache:
+def random_cache(key, cfg: ModelConfig, batch: int, capacity: int, prefix: int) -> decoder.KVCache:
   """A bf16 KV cache of random rows with `prefix` of them valid per sequence."""
   heads, k_dim, v_dim = cfg.cache_layout  # (MLA: latent rows, no separate values)
   shape = (cfg.num_layers, batch, heads, capacity)
   kk, kv = jax.random.split(key)
-  return model.KVCache(k=jax.random.normal(kk, shape + (k_dim,), jnp.bfloat16),
+  return decoder.KVCache(k=jax.random.normal(kk, shape + (k_dim,), jnp.bfloat16),
                        v=jax.random.normal(kv, shape + (v_dim,), jnp.bfloat16),
                        lens=jnp.full((batch,), prefix, jnp.int32))
 
@@ -399,12 +407,3 @@ def fori_seconds(step, carry0, consts, round_ms: float, rounds: int, n: int | No
     jax.block_until_ready(run(carry0, *consts))
     times.append((time.perf_counter() - t0) / n)
   return statistics.median(times), out
-
-
-def settings(flag_values, smoke: dict):
-  """A script's flags as attributes (types.SimpleNamespace); with --smoke, the values in `smoke`
-  replace theirs (tiny shapes for a CPU run)."""
-  values = flag_values.flag_values_dict()
-  if values.get("smoke"):
-    values.update(smoke)
-  return types.SimpleNamespace(**values)

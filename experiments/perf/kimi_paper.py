@@ -27,7 +27,7 @@ flags.DEFINE_integer("moe_layers", 60, "MoE layers of the whole model (Kimi-K2: 
 flags.DEFINE_integer("experts", 384, "routed experts per layer")
 flags.DEFINE_integer("devices", 8, "GPUs, experts split evenly over them")
 flags.DEFINE_float("allreduce_us", 37.5, "one all-reduce of a layer's output (measured 35-40 us "
-                   "at tp=2 on H200s: WORKSPACE.md, Findings: Tensor parallelism)")
+                   "at tp=2 on H200s: docs/findings/tensor-parallelism.md)")
 flags.DEFINE_integer("all_reduces", 2, "all-reduces per layer (attention output, MoE output)")
 flags.DEFINE_float("expert_mb", 88.08, "bytes of one expert (3 x 7168 x 2048 bf16), MB")
 flags.DEFINE_float("bandwidth", 4.3e12, "the floors' bytes per second")

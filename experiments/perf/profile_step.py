@@ -34,22 +34,16 @@ import tempfile  # pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import app, flags
 import jax
 
-from ddtree_jax import decode, engine, sharding
+from ddtree_jax import engine, sharding
+from ddtree_jax.spec import decode
 from ddtree_jax.kernels import Kernels
-from experiments.perf import harness
+from experiments.perf import common_flags, harness
 from experiments.perf.trace import (KINDS, kernel_events, op_stages, print_memcpys, read_trace,
                                     stage_table, summarize)
 
-flags.DEFINE_bool("small", False, "tiny shapes (CPU smoke run)")
-flags.DEFINE_string("shape", "qwen3-8b", "target shape (harness.SHAPES)")
-flags.DEFINE_string("attention", "xla", "xla or pallas")
+common_flags.define("small", "shape", "attention", "runs", "batch", "prefix", "drafter_int8",
+                    "draft_vocab_first")
 flags.DEFINE_integer("steps", 32, "decode steps traced per run")
-flags.DEFINE_string("runs", "ar,32,64", "ar, chain or ddtree budgets")
-flags.DEFINE_integer("batch", 1, "batch size")
-flags.DEFINE_integer("prefix", 1024, "committed prefix length")
-flags.DEFINE_bool("drafter_int8", False, "an int8 (W8A8) drafter (drafter.quantize_int8)")
-flags.DEFINE_integer("draft_vocab_first", 0, "draft over ids 0..N-1 only "
-                     "(drafter.restrict_vocab); 0 = the whole vocabulary")
 flags.DEFINE_integer("top", 20, "kernels listed per run")
 flags.DEFINE_string("trace_dir", "", "keep the traces (and each run's optimized HLO) here "
                     "(default: a temporary directory)")
@@ -74,7 +68,7 @@ engine.define_compilation_cache_flags()
 
 
 def main(_):
-  engine.compilation_cache_from_flags()
+  common_flags.start()
   small = FLAGS.small
   try:
     tuning = harness.tuning_overrides(FLAGS.tree_attention, FLAGS.qkv_splits, FLAGS.residual)

@@ -19,11 +19,10 @@ import time
 
 from absl import app, flags
 
-flags.DEFINE_bool("small", False, "tiny shapes (CPU smoke run)")
+from experiments.perf import common_flags
+
+common_flags.define("small", "prefix", "repeats", "json_out")
 flags.DEFINE_string("tokens", "1,5,17,33,65,129", "new tokens T per forward")
-flags.DEFINE_integer("prefix", 1024, "cached prefix")
-flags.DEFINE_integer("repeats", 5, "timed repeats (median)")
-flags.DEFINE_string("json_out", "", "append each row here as a JSON line")
 FLAGS = flags.FLAGS
 
 

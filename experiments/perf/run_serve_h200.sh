@@ -204,7 +204,7 @@ step "in-process pair" "$t_inproc" $py -m experiments.http_bench --config=config
   echo "    $tokens tokens a request, streaming; in-proc: dj.generate at batch 1, tokens over the"
   echo "    call's wall time (prefill included), the same prompt ids, capacity 512."
   echo "    (8b servers compiled 5 at a time beside the pair's, in-process 3 at a time: concurrent"
-  echo "    compiles move GEMM picks by up to ~3 %, WORKSPACE Findings: Compile time.)"
+  echo "    compiles move GEMM picks by up to ~3 %, docs/findings/compile-time.md.)"
   echo
   $py -m experiments.perf.serve_summary "$out/serve.jsonl" "$out/health.jsonl"
 } >"$out/summary.txt" 2>&1

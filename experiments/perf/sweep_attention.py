@@ -23,10 +23,11 @@ import numpy as np
 import jax
 from jax import lax
 
-from ddtree_jax.pallas import attention_config, tree_attention
+from ddtree_jax.pallas.tree_attention import attention_config, tree_attention
 from ddtree_jax import engine
-from experiments.perf import harness
+from experiments.perf import common_flags, harness
 
+common_flags.define("smoke", "json_out", round_ms=5.0, rounds=3)
 flags.DEFINE_string("prefixes", "1024,8192", "prefix lengths")
 flags.DEFINE_string("tokens", "17,33,65,129,257", "tree tokens T")
 flags.DEFINE_string("batches", "1,8", "batch sizes")
@@ -35,12 +36,7 @@ flags.DEFINE_string("splits", "1,2,4,8,16,32", "split-K counts of the grid")
 flags.DEFINE_string("block_ks", "", "also sweep the prefix keys per loop step (default: the "
                     "rule's, by rows)")
 flags.DEFINE_integer("capacity_slack", 256, "cache capacity = prefix + slack")
-flags.DEFINE_float("round_ms", 5.0, "target duration of a timed round")
-flags.DEFINE_integer("rounds", 3, "timed rounds (median)")
 flags.DEFINE_integer("threads", 16, "programs of a cell compiled concurrently")
-flags.DEFINE_string("json_out", "", "append each cell here as a JSON line")
-flags.DEFINE_bool("smoke", False, "tiny shapes, interpret mode on CPU")
-FLAGS = flags.FLAGS
 
 SMOKE = dict(prefixes="64", tokens="4,9", batches="1", block_rows="16", splits="1,2",
              round_ms=1.0, rounds=1)
@@ -50,8 +46,7 @@ engine.define_compilation_cache_flags()
 
 
 def main(_):
-  engine.compilation_cache_from_flags()
-  args = harness.settings(FLAGS, SMOKE)
+  args = common_flags.start(SMOKE)
   block_rows, splits, block_ks = (harness.ints(x) for x in (args.block_rows, args.splits,
                                                              args.block_ks))
   interpret = jax.default_backend() == "cpu"

@@ -1,0 +1,1 @@
+"""Checkpoints: Hugging Face config + safetensors reading and writing, files."""

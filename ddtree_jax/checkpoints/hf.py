@@ -1,0 +1,402 @@
+"""Hugging Face checkpoint loading without torch: config.json + safetensors (+ tokenizer.json),
+and orbax checkpoints of our own params. Tensors are memory-mapped (`safetensors_io`) and stay on
+the host until placed, each device receiving only its shard. Nothing shipped with a checkpoint is
+ever executed. Writing HF directories: `hf_export`."""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import logging
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ddtree_jax import sharding
+from ddtree_jax.checkpoints import files
+from ddtree_jax.models import qwen3, registry
+from ddtree_jax.models.config import ModelConfig
+from ddtree_jax.models.decoder import Params
+from ddtree_jax.models.drafter import (DrafterConfig, DrafterParams, default_target_layer_ids,
+                                       quantize_int8, restrict_vocab)
+from ddtree_jax.checkpoints.safetensors_io import CheckpointError, read_safetensors
+from ddtree_jax.checkpoints.tensor_reader import SKIPPED_TENSORS, TensorReader
+
+
+def read_checkpoint_tensors(path: str) -> dict[str, np.ndarray]:
+  """All tensors of an HF directory: model.safetensors or a sharded index whose shards lie
+  inside the directory and hold every tensor the index names."""
+  single = os.path.join(path, "model.safetensors")
+  index = os.path.join(path, "model.safetensors.index.json")
+  if os.path.exists(single):
+    return read_safetensors(single)
+  if not os.path.exists(index):
+    raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json "
+                            "(only safetensors checkpoints are loaded)")
+  weight_map = read_json(index).get("weight_map")
+  if not isinstance(weight_map, dict) or not all(
+      isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+    raise CheckpointError(f"{index}: 'weight_map' must map tensor names to shard file names")
+  root = os.path.realpath(path)
+  tensors, by_file = {}, {}
+  for name, file in weight_map.items():
+    by_file.setdefault(file, []).append(name)
+  for file, names in sorted(by_file.items()):
+    shard = os.path.realpath(os.path.join(root, file))
+    if os.path.commonpath([root, shard]) != root or os.path.dirname(shard) != root:
+      raise CheckpointError(f"{index}: shard {file!r} is not a file of the checkpoint "
+                            "directory")
+    if not os.path.isfile(shard):
+      raise CheckpointError(f"{index}: shard {file!r} does not exist")
+    part = read_safetensors(shard)
+    missing = sorted(set(names) - set(part))
+    if missing:
+      raise CheckpointError(f"{shard}: lacks tensors the index puts there: {missing[:5]}")
+    tensors.update(part)
+  return tensors
+
+
+def read_json(file: str) -> dict[str, Any]:
+  """A JSON object from `file`; errors name the file."""
+  try:
+    with open(file) as f:
+      obj = json.load(f)
+  except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise CheckpointError(f"{file}: not valid JSON ({e})") from None
+  if not isinstance(obj, dict):
+    raise CheckpointError(f"{file}: expected a JSON object, got {type(obj).__name__}")
+  return obj
+
+
+def read_config(path: str) -> dict[str, Any]:
+  file = os.path.join(path, "config.json")
+  if not os.path.exists(file):
+    raise FileNotFoundError(f"{path}: no config.json")
+  return read_json(file)
+
+
+# Leaves kept in float32 whatever the weights' dtype.
+FLOAT32_LEAVES = ("router", "bias")
+
+
+def place(host_tree, dtype, shardings=None):
+  """Host tensors (numpy views / Stacked / Joined) -> device arrays of `dtype`.
+
+  Without shardings each tensor goes whole to the default device. With a NamedSharding pytree
+  every device receives only its own shard, read and converted from the memory map by
+  `jax.make_array_from_callback`: no device (and no host buffer) ever holds a full copy of a
+  sharded tensor. A MoE router stays float32 (routing is computed in float32)."""
+  dtype = jnp.dtype(dtype)
+
+  def read(path, t, idx):
+    dt = jnp.dtype(jnp.float32) if _key(path[-1]) in FLOAT32_LEAVES else dtype
+    x = np.asarray(t[idx]).astype(dt)
+    bad = x.size - int(np.isfinite(x).sum())
+    if bad:
+      raise CheckpointError(f"weights {jax.tree_util.keystr(path)}: {bad} non-finite values in "
+                            f"{dt.name} (a broken checkpoint, or values that overflow it)")
+    return x
+
+  if shardings is None:
+    return jax.tree_util.tree_map_with_path(lambda p, t: jnp.asarray(read(p, t, ...)), host_tree)
+  return jax.tree_util.tree_map_with_path(
+      lambda p, t, s: jax.make_array_from_callback(tuple(t.shape), s,
+                                                   lambda idx: read(p, t, idx)),
+      host_tree, shardings)
+
+
+def load_tokenizer(path: str):
+  file = os.path.join(path, "tokenizer.json")
+  if not os.path.exists(file):
+    return None
+  import tokenizers  # pylint: disable=import-outside-toplevel
+  try:
+    return tokenizers.Tokenizer.from_file(file)
+  except Exception as e:  # pylint: disable=broad-except  (tokenizers raises plain Exceptions)
+    raise CheckpointError(f"{file}: not a readable tokenizer ({e})") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """A loaded target model: params pytree + static config (+ tokenizer when shipped)."""
+  params: Params
+  config: ModelConfig
+  tokenizer: Any = None
+  path: str | None = None
+  mesh: Any = None                # jax.sharding.Mesh when tensor-parallel (see sharding.py)
+  rules: Any = None               # sharding.ShardingRules used with mesh
+
+  @property
+  def dtype(self):
+    return self.params.embed.dtype
+
+
+DTYPE_NAMES = {"bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16, "float32": jnp.float32,
+               "fp32": jnp.float32, "float16": jnp.float16}
+
+
+def parse_dtype(dtype) -> jnp.dtype:
+  """A float compute dtype: a name of DTYPE_NAMES or a float32 / bfloat16 / float16 dtype."""
+  if isinstance(dtype, str):
+    if dtype not in DTYPE_NAMES:
+      raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPE_NAMES)}")
+    return jnp.dtype(DTYPE_NAMES[dtype])
+  try:
+    dt = jnp.dtype(dtype)
+  except TypeError:
+    raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPE_NAMES)}") from None
+  if dt not in {jnp.dtype(v) for v in DTYPE_NAMES.values()}:
+    raise ValueError(f"dtype {dt.name} cannot hold weights; choose one of {sorted(DTYPE_NAMES)}")
+  return dt
+
+
+def _place_sharded(host, dtype, mesh, rules):
+  """Host params -> device params, sharded over `mesh` by `rules` when a mesh is given (the
+  vocabulary padded to the vocab axis where it does not divide: `sharding.pad_vocab`)."""
+  if mesh is None:
+    return place(host, dtype)
+  mesh = sharding.check_mesh(mesh)
+  host = sharding.pad_vocab(host, mesh, rules)
+  return place(host, dtype, sharding.shardings(host, mesh, rules))
+
+
+def fp8_block_size(raw: dict[str, Any], source: str) -> tuple[int, int] | None:
+  """The FP8 block size of config.json's `quantization_config` (DeepSeek-V3's format:
+  quant_method "fp8", e4m3, `weight_block_size`), None without one; other formats refused."""
+  q = raw.get("quantization_config")
+  if q is None:
+    return None
+  method = q.get("quant_method") if isinstance(q, dict) else None
+  block = q.get("weight_block_size") if isinstance(q, dict) else None
+  if method != "fp8" or q.get("fmt", "e4m3") != "e4m3":
+    raise ValueError(f"{source}: unsupported quantization_config quant_method={method!r} "
+                     f"fmt={q.get('fmt') if isinstance(q, dict) else None!r} (supported: "
+                     "block-quantised 'fp8' e4m3, DeepSeek-V3's format)")
+  if (not isinstance(block, list) or len(block) != 2
+      or not all(isinstance(b, int) and b > 0 for b in block)):
+    raise ValueError(f"{source}: fp8 quantization_config needs weight_block_size [rows, cols], "
+                     f"got {block!r}")
+  return block[0], block[1]
+
+
+def load_target_params(path: str, cfg: ModelConfig, dtype, mesh=None, rules=None,
+                       fuse_qkv: bool = False, raw: dict[str, Any] | None = None) -> Params:
+  """The target's weights on the device (or `mesh`); fuse_qkv (one device): `decoder.fuse_qkv`'s
+  layout, concatenated on the host. raw: config.json's dict (FP8 blocks, MTP layers)."""
+  if fuse_qkv and mesh is not None:
+    raise ValueError("fuse_qkv is for one device: on a mesh q and kv heads shard on their own "
+                     "axes (load with fuse_qkv=False)")
+  raw = read_config(path) if raw is None else raw
+  source = os.path.join(path, "config.json")
+  family = registry.lookup(cfg.model_type, source)
+  r = TensorReader(read_checkpoint_tensors(path), path, fp8_block_size(raw, source))
+  host = family.params(r, cfg, raw, fuse_qkv)
+  r.check_complete(skip=SKIPPED_TENSORS + tuple(family.skip(raw, cfg)),
+                   hint=f"Does config.json (num_hidden_layers {cfg.num_layers}, "
+                        f"tie_word_embeddings {cfg.tie_word_embeddings}) describe this checkpoint?")
+  return _place_sharded(host, dtype, mesh, rules)
+
+
+def load_target(path: str, dtype="bfloat16", mesh=None, rules=None, fuse_qkv: bool = True) -> Target:
+  """Loads a Hugging Face Qwen3 (dense or MoE), Llama or DeepSeek-V3 / Kimi-K2 directory
+  (safetensors only; FP8 block-quantised weights dequantised to `dtype`).
+
+  With a `mesh` (sharding.make_mesh) every tensor goes straight from the memory map onto its
+  shards, laid out by `rules` (default sharding.ShardingRules(): tensor parallel over "tp");
+  a vocabulary that the vocab axis does not divide is padded (`sharding.pad_vocab`), any other
+  dimension that does not divide the mesh is refused with a ValueError (see sharding.py).
+  On one device (no mesh) each layer's q and k/v weights become one wqkv (`decoder.fuse_qkv`'s
+  layout, concatenated on the host: one projection GEMM per layer) unless fuse_qkv=False; fused
+  params cannot be sharded (nor an orbax checkpoint of them restored onto a mesh).
+  """
+  raw = read_config(path)
+  cfg = registry.config_from_hf(raw, source=os.path.join(path, "config.json"))
+  dtype = parse_dtype(dtype)
+  if mesh is not None:
+    mesh = sharding.check_mesh(mesh)
+    rules = rules or sharding.DEFAULT_RULES
+  params = load_target_params(path, cfg, dtype, mesh, rules,
+                              fuse_qkv=mesh is None and fuse_qkv and not cfg.is_mla, raw=raw)
+  return Target(params=params, config=cfg, tokenizer=load_tokenizer(path), path=path, mesh=mesh,
+                rules=rules)
+
+
+# Drafter variants we refuse (until implemented) rather than run wrongly.
+_DRAFTER_VARIANT_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
+                           "attention_sinks", "num_attention_sinks", "sliding_window_size")
+_DRAFTER_UNIT_FIELDS = ("input_embedding_scale", "output_multiplier")
+
+
+@dataclasses.dataclass(frozen=True)
+class Drafter:
+  """A loaded DFlash drafter; the target's embedding and lm_head are shared, never copied (an
+  int8 drafter holds its own int8 copy of the lm_head, and its layers' k/v weights once more,
+  stacked for the context rows)."""
+  params: Any                     # drafter.DrafterParams
+  config: Any                     # drafter.DrafterConfig
+  path: str | None = None
+
+
+_DFLASH_KNOWN_FIELDS = ("mask_token_id", "mask_token", "target_layer_ids", "block_size",
+                        "num_target_layers")
+
+
+def drafter_config_from_hf(cfg: dict[str, Any], target: ModelConfig, source: str = "drafter",
+                           allow_layer_mismatch: bool = False):
+  """Parses a z-lab DFlash config.json against the target it drafts for. A `num_target_layers`
+  other than the target's is refused (the drafter was trained on another model's features)
+  unless allow_layer_mismatch; unknown `dflash_config` keys are warned about by name."""
+  dflash = cfg.get("dflash_config") or {}
+  if not isinstance(dflash, dict):
+    raise CheckpointError(f"{source}: dflash_config must be a JSON object")
+  unknown = sorted(set(dflash) - set(_DFLASH_KNOWN_FIELDS) - set(_DRAFTER_VARIANT_FIELDS)
+                   - set(_DRAFTER_UNIT_FIELDS) - {"final_logit_softcapping", "is_causal"})
+  if unknown:
+    logging.getLogger(__name__).warning("%s: dflash_config keys %s are not used by this loader",
+                                        source, unknown)
+  value = lambda name, default=None: dflash.get(name, cfg.get(name, default))
+  n_target = value("num_target_layers")
+  if n_target is not None and int(n_target) != target.num_layers and not allow_layer_mismatch:
+    raise CheckpointError(f"{source}: the drafter was made for a {n_target}-layer target, this "
+                          f"target has {target.num_layers} layers (load_drafter(..., "
+                          "allow_layer_mismatch=True) to use it anyway)")
+  for name in _DRAFTER_VARIANT_FIELDS:
+    if value(name) is not None:
+      raise ValueError(f"unsupported DFlash variant: config field {name!r} is set")
+  for name in _DRAFTER_UNIT_FIELDS:
+    if float(value(name, 1.0)) != 1.0:
+      raise ValueError(f"unsupported DFlash variant: {name}={value(name)} (only 1.0)")
+  if value("final_logit_softcapping"):
+    raise ValueError("unsupported DFlash variant: final_logit_softcapping is set")
+  if value("is_causal"):
+    raise ValueError("unsupported DFlash variant: is_causal=true (DFlash blocks are non-causal)")
+  if cfg.get("use_sliding_window") or any(t != "full_attention" for t in cfg.get("layer_types") or []):
+    raise ValueError("unsupported DFlash variant: sliding-window drafter layers")
+  layers = qwen3.QWEN3.config({**cfg, "model_type": "qwen3"}, source)
+  if layers.hidden_size != target.hidden_size:
+    raise ValueError(f"drafter hidden_size {layers.hidden_size} != target hidden_size "
+                     f"{target.hidden_size}")
+  if layers.vocab_size != target.vocab_size:
+    raise ValueError(f"drafter vocab_size {layers.vocab_size} != target vocab_size "
+                     f"{target.vocab_size}")
+  mask = value("mask_token_id")
+  if mask is None or not 0 <= int(mask) < target.vocab_size:
+    raise ValueError(f"mask_token_id {mask!r} is not a token of the target vocab "
+                     f"[0, {target.vocab_size})")
+  ids = value("target_layer_ids")
+  if ids is None:
+    ids = default_target_layer_ids(int(value("num_target_layers", target.num_layers)),
+                                   layers.num_layers)
+  ids = tuple(int(i) for i in ids)
+  bad = [i for i in ids if not 0 <= i < target.num_layers]
+  if bad:
+    raise ValueError(f"target_layer_ids {bad} out of range for a {target.num_layers}-layer target")
+  block = int(value("block_size", 16))
+  if block < 2:
+    raise ValueError(f"block_size {block} < 2 drafts nothing")
+  return DrafterConfig(layers=layers, block_size=block, mask_token_id=int(mask),
+                       target_layer_ids=ids)
+
+
+def load_drafter(path: str, target: Target, dtype=None, int8: bool = False,
+                 draft_vocab=None, allow_layer_mismatch: bool = False) -> Drafter:
+  """Loads a z-lab-format DFlash drafter directory for `target` (dtype defaults to the target's).
+  On a sharded target the drafter is sharded on the same mesh with the same rules.
+  int8=True: an int8 (W8A8) drafter with its own int8 lm_head (`drafter.quantize_int8`).
+  draft_vocab: vocabulary ids [Vd] (or a .npy file of them) the drafter drafts over, with its own
+  lm_head over those ids (`drafter.restrict_vocab`); None: the whole vocabulary.
+  allow_layer_mismatch: accept a drafter whose num_target_layers is not the target's."""
+  if not isinstance(target, Target):
+    raise TypeError(f"load_drafter needs the Target it drafts for, got {type(target).__name__}")
+  cfg = drafter_config_from_hf(read_config(path), target.config,
+                               source=os.path.join(path, "config.json"),
+                               allow_layer_mismatch=allow_layer_mismatch)
+  dtype = target.dtype if dtype is None else parse_dtype(dtype)
+  r = TensorReader(read_checkpoint_tensors(path), path)
+  h, lc = target.config.hidden_size, cfg.layers
+  host = DrafterParams(
+      fc=r.linear("fc.weight", h, len(cfg.target_layer_ids) * h),
+      hidden_norm=r.get("hidden_norm.weight", (h,)),
+      layers=[qwen3.dense_layer(r, f"layers.{i}.", lc) for i in range(lc.num_layers)],
+      final_norm=r.get("norm.weight", (h,)),
+  )
+  r.check_complete(hint=f"Does config.json (num_hidden_layers {lc.num_layers}) describe this "
+                        "drafter?")
+  params = derive_drafter_params(_place_sharded(host, dtype, target.mesh, target.rules), target,
+                                 int8=int8, draft_vocab=draft_vocab)
+  return Drafter(params=params, config=cfg, path=path)
+
+
+def derive_drafter_params(params, target: Target, int8: bool = False, draft_vocab=None):
+  """Float drafter params -> what load_drafter returns: int8 (`drafter.quantize_int8`) and/or
+  drafting over `draft_vocab` (ids or a .npy file of them; `drafter.restrict_vocab`), placed on
+  the target's mesh."""
+  if int8:
+    params = jax.jit(quantize_int8)(params, target.params)
+  if draft_vocab is not None:
+    if isinstance(draft_vocab, str):
+      draft_vocab = np.load(draft_vocab, allow_pickle=False)
+    params = restrict_vocab(params, target.params, draft_vocab)
+  if int8 or draft_vocab is not None:
+    params = sharding.shard_params(params, target.mesh, target.rules)
+  return params
+
+
+# --------------------------------------------------------------------------------------------
+# Orbax checkpoints of our own params pytrees, restorable onto any mesh.
+
+
+def _key(k) -> str:
+  """A pytree path entry (attribute, list index or dict key) as a string."""
+  return str(getattr(k, "name", getattr(k, "idx", getattr(k, "key", k))))
+
+
+def _nested(tree) -> dict:
+  """Params-like pytree -> nested dict keyed by field names / list indices (None leaves dropped),
+  the form orbax stores; the layout is independent of how the arrays are sharded."""
+  out: dict = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    keys = [_key(k) for k in path]
+    d = out
+    for k in keys[:-1]:
+      d = d.setdefault(k, {})
+    d[keys[-1]] = leaf
+  return out
+
+
+def save_params(path: str, params) -> None:
+  """Writes a params pytree (target or drafter; sharded or not) as an orbax checkpoint."""
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  path = os.path.abspath(path)
+  files.remove_stale_orbax_temporaries(os.path.dirname(path), glob.escape(os.path.basename(path)))
+  with ocp.StandardCheckpointer() as ckptr:
+    ckptr.save(path, _nested(params))
+    ckptr.wait_until_finished()
+
+
+def restore_params(path: str, like, mesh=None, rules=None):
+  """Restores a `save_params` checkpoint into the structure of `like` (arrays or
+  ShapeDtypeStructs), each array read straight onto its shards of `mesh` laid out by `rules`
+  (None: one device). The saving mesh does not matter."""
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  if mesh is None:
+    dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target_sh = jax.tree.map(lambda _: dev, like)
+  else:
+    target_sh = sharding.shardings(like, sharding.check_mesh(mesh), rules)
+  abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                          like, target_sh)
+  with ocp.StandardCheckpointer() as ckptr:
+    restored = ckptr.restore(os.path.abspath(path), _nested(abstract))
+  paths, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+  leaves = []
+  for p, _ in paths:
+    d = restored
+    for k in p:
+      d = d[_key(k)]
+    leaves.append(d)
+  return jax.tree_util.tree_unflatten(treedef, leaves)

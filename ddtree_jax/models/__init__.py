@@ -1,0 +1,1 @@
+"""Model families and their layers: config, layer kinds, decoder, drafter."""

@@ -1,0 +1,324 @@
+"""The decoder every family shares (Qwen3 dense or MoE, Llama-3, DeepSeek-V3 / Kimi-K2), as pure
+functions over a registered-dataclass params pytree. A decoder layer is an attention block and an
+MLP block, each of a layer kind chosen by its params: the attention GQA (`attention.py`) or
+multi-head latent attention (`mla.py`), the MLP a dense SwiGLU or a mixture of experts (`moe.py`;
+DeepSeek's shared experts are the layer's dense MLP beside its experts).
+
+Shapes: B batch, T new tokens, H hidden, N query heads, K kv heads, D head_dim, I MLP width,
+V vocab, S cache capacity. Weights are stored [in, out] (x @ W), split by head for sharding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from ddtree_jax import kernels as kernels_lib
+from ddtree_jax.models import attention as attention_lib
+from ddtree_jax.models import mla as mla_lib
+from ddtree_jax.models import moe as moe_lib
+from ddtree_jax.models.config import ModelConfig
+from ddtree_jax.models.ops import (Int8Weight, dense, einsum_f32, random_weight, rms_norm,
+                                   rope_tables, weight_spec)
+
+Array = jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LayerParams:
+  """One decoder layer; a drafter's matrices may be Int8Weights (`drafter.quantize_int8`)."""
+  input_norm: Array        # [H]
+  wq: Array | None         # [H, N, D]; None once fused into wqkv
+  wkv: Array | None        # [H, 2, K, D]  (k, v); None once fused into wqkv
+  wo: Array | None         # [N, D, H]; None in a latent-attention layer
+  q_norm: Array | None     # [D] (Qwen3) or None (Llama)
+  k_norm: Array | None     # [D]
+  post_norm: Array         # [H]
+  w_gate_up: Array | None  # [H, 2, I]  (gate, up); None in a MoE layer without shared experts
+  w_down: Array | None     # [I, H]; (with moe set: DeepSeek's shared experts, I = n x width)
+  # `fuse_qkv`: [H, N + 2K, D], wq's heads then wkv's k and v heads: the q and k/v projections
+  # as one GEMM with one output (one device only; see fuse_qkv)
+  wqkv: Array | None = None
+  moe: moe_lib.MoEParams | None = None  # the experts of a MoE layer (its MLP block)
+  mla: mla_lib.MLAParams | None = None  # latent attention (then wq, wkv, wo, norms are None)
+
+  def partition_specs(self, axes) -> LayerParams:
+    """Query and kv heads over tp (wq, wkv split on heads, wo row-parallel), the MLP width over
+    tp, the experts' and latent attention's own layouts; norms replicated."""
+    if self.wqkv is not None:
+      raise ValueError("fused q/k/v weights (decoder.fuse_qkv) cannot be sharded: q and kv heads "
+                       "split on their own axes; shard unfused params (load_target(..., "
+                       "fuse_qkv=False), or give load_target the mesh)")
+    opt = lambda x: None if x is None else P()
+    mlp = dict(w_gate_up=None, w_down=None)
+    if self.w_down is not None:  # the dense MLP, or DeepSeek's shared experts beside the experts
+      ml = axes("mlp", self.w_down.shape[0], "intermediate_size")
+      mlp = dict(w_gate_up=weight_spec(self.w_gate_up, None, None, ml),
+                 w_down=weight_spec(self.w_down, ml, None))
+    moe = None if self.moe is None else self.moe.partition_specs(axes)
+    if self.mla is not None:
+      return LayerParams(input_norm=P(), wq=None, wkv=None, wo=None, q_norm=None, k_norm=None,
+                         post_norm=P(), mla=self.mla.partition_specs(axes), moe=moe, **mlp)
+    hd = axes("heads", self.wq.shape[1], "query heads")
+    kv = axes("kv_heads", self.wkv.shape[2], "kv heads")
+    return LayerParams(input_norm=P(), wq=weight_spec(self.wq, None, hd, None),
+                       wkv=weight_spec(self.wkv, None, None, kv, None),
+                       wo=weight_spec(self.wo, hd, None, None), q_norm=opt(self.q_norm),
+                       k_norm=opt(self.k_norm), post_norm=P(), moe=moe, **mlp)
+
+
+def fuse_qkv(params: Params) -> Params:
+  """The target's wq [H, N, D] and wkv [H, 2, K, D] as one wqkv [H, N + 2K, D] per layer (the
+  same values, concatenated over heads). One GEMM then writes q, k and v into one array, which
+  the Pallas q/k kernel reads as it is (with two weights XLA copies the merged GEMM's output:
+  docs/findings/fused-glue-kernels.md). One device only: on a mesh q and kv heads are
+  sharded on their own axes (`sharding.py` refuses fused weights, and this refuses sharded
+  ones). Fused layers are kept. `hf.load_target` builds the same layout on the host."""
+  def fuse(layer):
+    if layer.wqkv is not None or layer.mla is not None:  # (latent attention has no q/k/v)
+      return layer
+    if layer.wq is None or layer.wkv is None:
+      raise ValueError("fuse_qkv: a layer has neither wqkv nor both wq and wkv")
+    if isinstance(layer.wq, Int8Weight) or isinstance(layer.wkv, Int8Weight):
+      raise ValueError("fuse_qkv: int8 q/k/v weights are not supported (drafters keep wq, wkv)")
+    if layer.wq.dtype != layer.wkv.dtype:
+      raise ValueError(f"fuse_qkv: wq is {layer.wq.dtype} but wkv {layer.wkv.dtype}")
+    if any(len(w.sharding.device_set) > 1 for w in (layer.wq, layer.wkv)
+           if isinstance(w, jax.Array) and not isinstance(w, jax.core.Tracer)):
+      raise ValueError("fuse_qkv: params placed on several devices cannot be fused (q and kv "
+                       "heads shard on their own axes); fuse on one device")
+    h, _, d = layer.wq.shape
+    wqkv = jnp.concatenate([layer.wq, layer.wkv.reshape(h, -1, d)], axis=1)
+    return dataclasses.replace(layer, wq=None, wkv=None, wqkv=wqkv)
+  return dataclasses.replace(params, layers=[fuse(l) for l in params.layers])
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Params:
+  embed: Array             # [V, H]
+  layers: list[LayerParams]
+  final_norm: Array        # [H]
+  lm_head: Array | None    # [H, V], None when tied to embed
+  # The real V when embed's rows and lm_head's columns are zero-padded past it (`pad_vocab`),
+  # else None. Static: `lm_head` slices the logits with it.
+  vocab_size: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+
+  @property
+  def vocab(self) -> int:
+    """V, the real vocabulary size (padding excluded)."""
+    return self.embed.shape[0] if self.vocab_size is None else self.vocab_size
+
+  def partition_specs(self, axes) -> Params:
+    """The vocabulary over tp (embed's rows, lm_head's columns), each layer's own layout."""
+    voc = axes("vocab", self.embed.shape[0], "vocab_size")
+    return Params(embed=P(voc, None), layers=[l.partition_specs(axes) for l in self.layers],
+                  final_norm=P(), lm_head=None if self.lm_head is None else P(None, voc),
+                  vocab_size=self.vocab_size)
+
+  def pad_vocab(self, multiple: int, pad) -> Params:
+    """embed [V, H]'s rows and lm_head [H, V]'s columns zero-padded to the next multiple of
+    `multiple` (a vocab axis that does not divide V: padded vocabulary shards, as vLLM and SGLang
+    have); vocab_size keeps V and `lm_head` slices the padding off. pad(x, axis, size): x
+    zero-padded to `size` along `axis` (`sharding.pad_vocab`)."""
+    n = self.embed.shape[0]
+    if n % multiple == 0:
+      return self
+    size = -(-n // multiple) * multiple
+    return dataclasses.replace(
+        self, embed=pad(self.embed, 0, size), vocab_size=self.vocab,
+        lm_head=None if self.lm_head is None else pad(self.lm_head, 1, size))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+  """K/V of committed tokens, every layer in one array; rows [0, lens[b]) of sequence b are valid.
+
+  One array per K and V (not one per layer), so a step commits all layers in one scatter, not
+  two per layer (docs/findings/fused-glue-kernels.md). Attention reads layer i straight
+  from it (`layer=i`)."""
+  k: Array                 # [L, B, K, S, D]
+  v: Array                 # [L, B, K, S, D]
+  lens: Array              # [B] int32
+
+  @property
+  def capacity(self) -> int:
+    return self.k.shape[3]
+
+  def partition_specs(self, axes) -> KVCache:
+    """[L, B, K, S, D]: B over dp, K over tp; a latent cache (MLA: one row per token for all
+    heads, v empty) replicated over tp."""
+    bt = axes("batch", self.lens.shape[0], "batch")
+    kv = None if self.v.shape[-1] == 0 else axes("kv_heads", self.k.shape[2], "kv heads")
+    spec = P(None, bt, kv, None, None)
+    return KVCache(k=spec, v=spec, lens=P(bt))
+
+
+def init_cache(num_layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int,
+               dtype, v_dim: int | None = None) -> KVCache:
+  shape = (num_layers, batch, kv_heads, capacity, head_dim)
+  v_shape = shape[:-1] + (head_dim if v_dim is None else v_dim,)
+  return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(v_shape, dtype),
+                 lens=jnp.zeros((batch,), jnp.int32))
+
+
+def init_target_cache(cfg: ModelConfig, batch: int, capacity: int, dtype) -> KVCache:
+  """The target's cache (`ModelConfig.cache_layout`): GQA k and v, or MLA's latent rows in k
+  (v empty: the latent is the value too)."""
+  heads, k_dim, v_dim = cfg.cache_layout
+  return init_cache(cfg.num_layers, batch, heads, capacity, k_dim, dtype, v_dim)
+
+
+def commit(cache: KVCache, new_k, new_v, src, count) -> KVCache:
+  """Appends selected new rows to every layer's cache, in place when donated.
+
+  new_k/new_v: per layer [B, T, K, D]; src [B, R] int32 rows of the new block to keep, in order;
+  count [B] int32 <= R: how many of them are committed. Row r goes to cache row lens + r; rows
+  r >= count get an out-of-range index and are dropped (never clamped onto other rows).
+  """
+  b, r = src.shape
+  dst = cache.lens[:, None] + jnp.arange(r, dtype=jnp.int32)[None]
+  dst = jnp.where(jnp.arange(r)[None] < count[:, None], dst, cache.capacity)
+  bi = jnp.arange(b)[:, None]
+
+  def put(buf, rows):
+    rows = jnp.stack([jnp.take_along_axis(x, src[:, :, None, None], axis=1) for x in rows],
+                     axis=2)  # [B, R, L, K, D]: the index dims (b, r) lead, as .at[] wants
+    return buf.at[:, bi, :, dst].set(rows.astype(buf.dtype), mode="drop")
+
+  return KVCache(k=put(cache.k, new_k), v=put(cache.v, new_v), lens=cache.lens + count)
+
+
+def attention_block(layer, cfg, x, h, cos, sin, k_cache, v_cache, prefix_len, new_mask,
+                    kernels: kernels_lib.Kernels = kernels_lib.REFERENCE, cache_layer=None):
+  """Residual attention sub-block over x with h = its input RMSNorm. Returns x', the MLP's input
+  norm of x' and the new rows' k, v [B, T, K, D].
+
+  k_cache/v_cache: [B, K, S, D], or a KVCache's [L, B, K, S, D] with cache_layer the layer.
+  A latent-attention layer reads its latent rows from k_cache (`mla.attention_block`)."""
+  kind = attention_lib if layer.mla is None else mla_lib
+  return kind.attention_block(layer, cfg, x, h, cos, sin, k_cache, v_cache, prefix_len, new_mask,
+                              kernels, cache_layer)
+
+
+def mlp_block(layer, cfg, x, h, next_norm, kernels: kernels_lib.Kernels = kernels_lib.REFERENCE):
+  """Residual MLP sub-block over x with h = its RMSNorm -> (x', x' normed with next_norm): a
+  dense SwiGLU, or the layer's mixture of experts (`Kernels.moe`) plus its shared experts."""
+  if layer.moe is not None:
+    b, t, hid = h.shape
+    y = kernels.moe(layer.moe, h.reshape(b * t, hid), routing=cfg.routing).reshape(b, t, hid)
+    if layer.w_gate_up is not None:  # DeepSeek's shared experts: one dense SwiGLU
+      gu = dense("bth,hsi->btsi", h, layer.w_gate_up)
+      y = y + dense("bti,ih->bth", jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1], layer.w_down)
+    x = x + y.astype(x.dtype)
+    return x, rms_norm(x, next_norm, cfg.rms_norm_eps)
+  gu = dense("bth,hsi->btsi", h, layer.w_gate_up)
+  return kernels.residual_norm(x, "bti,ih->bth", jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1],
+                               layer.w_down, next_norm, eps=cfg.rms_norm_eps)
+
+
+def decoder_stack(layers, cfg, x, final_norm, cos, sin, k_cache, v_cache, prefix_len, new_mask,
+                  kernels: kernels_lib.Kernels = kernels_lib.REFERENCE, tap_layers=()):
+  """The decoder layers over x [B, T, H], each RMSNorm computed with the add before it.
+
+  k_cache/v_cache: stacked [L, B, K, S, D] (a KVCache's, read with `layer=i`) or lists of
+  per-layer caches [B, K, S, D].
+  Returns hidden [B, T, H] after final_norm, new_k/new_v per layer [B, T, K, D], and
+  {layer id: residual output [B, T, H]} for tap_layers: HF's hidden_states[id + 1], so the last
+  layer's tap is the state after final_norm (what DFlash drafters are trained on)."""
+  stacked = not isinstance(k_cache, (list, tuple))
+  h = rms_norm(x, layers[0].input_norm, cfg.rms_norm_eps)
+  new_k, new_v, taps = [], [], {}
+  for i, layer in enumerate(layers):
+    kc, vc = (k_cache, v_cache) if stacked else (k_cache[i], v_cache[i])
+    x, h, k, v = attention_block(layer, cfg, x, h, cos, sin, kc, vc, prefix_len, new_mask,
+                                 kernels, cache_layer=i if stacked else None)
+    nxt = layers[i + 1].input_norm if i + 1 < len(layers) else final_norm
+    x, h = mlp_block(layer, cfg, x, h, nxt, kernels)
+    new_k.append(k)
+    new_v.append(v)
+    if i in tap_layers:
+      taps[i] = h if i + 1 == len(layers) else x
+  return h, new_k, new_v, taps
+
+
+def forward(params: Params, cfg: ModelConfig, tokens, positions, cache: KVCache, new_mask,
+            tap_layers: tuple[int, ...] = (),
+            kernels: kernels_lib.Kernels = kernels_lib.REFERENCE):
+  """Target forward of new tokens over the cached prefix (the cache is not modified).
+
+  Args:
+    tokens, positions: [B, T] int32. new_mask: [B, T, T] bool visibility among the new tokens.
+    tap_layers: layer ids whose residual outputs are returned (HF hidden_states[id + 1]: after
+      final_norm for the last layer).
+    kernels: the implementations of attention, q/k/v projection + norm + RoPE, residual + norm
+      and the embedding lookup (`kernels.Kernels`; plain XLA on one device by default).
+  Returns:
+    hidden [B, T, H] after the final norm; new_k, new_v: per layer [B, T, K, D];
+    taps [B, T, len(tap_layers) * H] (concatenated in tap_layers order) or None.
+  """
+  x = kernels.embed(params.embed, tokens)
+  cos, sin = rope_tables(cfg, positions, x.dtype)
+  hidden, new_k, new_v, taps = decoder_stack(params.layers, cfg, x, params.final_norm, cos, sin,
+                                             cache.k, cache.v, cache.lens, new_mask, kernels,
+                                             tap_layers)
+  tapped = jnp.concatenate([taps[i] for i in tap_layers], axis=-1) if tap_layers else None
+  return hidden, new_k, new_v, tapped
+
+
+def lm_head(params: Params, hidden):
+  """hidden [..., H] -> float32 logits [..., V] (tied embeddings use embed.T); the columns of a
+  padded vocabulary (`Params.pad_vocab`) past V are sliced off."""
+  if params.lm_head is None:
+    logits = einsum_f32("...h,vh->...v", hidden, params.embed)
+  else:
+    logits = einsum_f32("...h,hv->...v", hidden, params.lm_head)
+  # Sliced, not masked to -inf: every consumer (argmax, sampling, the tree's top-k and logsumexp)
+  # then sees exactly V and needs no mask of its own. On a mesh the slice moves no data: the
+  # padded width is the next multiple of the vocab axis, so GSPMD's uneven split of the V
+  # columns has the padded split's shard boundaries (only the last shard is shorter).
+  return logits[..., :params.vocab]
+
+
+def causal_mask(lens, t: int):
+  """[B, T, T] causal mask among T new tokens, key j visible only if j < lens[b] (padding)."""
+  i = jnp.arange(t)
+  return (i[None, :, None] >= i[None, None, :]) & (i[None, None, :] < lens[:, None, None])
+
+
+def init_params(cfg: ModelConfig, key, dtype=jnp.bfloat16, std: float = 0.02) -> Params:
+  """Random weights (benchmarks and tests); norms near 1."""
+  h, n, k, d, i = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+  keys = iter(jax.random.split(key, 8 * cfg.num_layers + 3))
+  w = lambda *shape: random_weight(next(keys), shape, dtype, std)
+  ones = lambda m: jnp.ones((m,), dtype)
+
+  def mlp(layer):
+    if not cfg.is_moe(layer):
+      return dict(w_gate_up=w(h, 2, i), w_down=w(i, h))
+    shared = cfg.n_shared_experts * cfg.moe_intermediate_size
+    return dict(w_gate_up=w(h, 2, shared) if shared else None,
+                w_down=w(shared, h) if shared else None, moe=moe_lib.init_params(
+        jax.random.fold_in(key, 1 << 20 | layer), h, cfg.num_experts, cfg.moe_intermediate_size,
+        dtype, std, bias=cfg.scoring_func == "sigmoid"))
+
+  def attention(layer):
+    if cfg.is_mla:
+      return dict(wq=None, wkv=None, wo=None, q_norm=None, k_norm=None, mla=mla_lib.init_params(
+          cfg, jax.random.fold_in(key, 1 << 21 | layer), dtype, std))
+    return dict(wq=w(h, n, d), wkv=w(h, 2, k, d), wo=w(n, d, h),
+                q_norm=ones(d) if cfg.qk_norm else None, k_norm=ones(d) if cfg.qk_norm else None)
+  layers = [LayerParams(input_norm=ones(h), post_norm=ones(h), **attention(layer), **mlp(layer))
+            for layer in range(cfg.num_layers)]
+  return Params(embed=w(cfg.vocab_size, h), layers=layers, final_norm=ones(h),
+                lm_head=None if cfg.tie_word_embeddings else w(h, cfg.vocab_size))
+
+
+def param_bytes(params) -> int:
+  return int(sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(params)))

@@ -1,0 +1,1 @@
+"""Serving: the slot engine, its device programs and the OpenAI-compatible server."""

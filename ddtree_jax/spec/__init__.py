@@ -1,0 +1,1 @@
+"""Speculative decoding: the draft tree, verification, sampling, the decode loop."""

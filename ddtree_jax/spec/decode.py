@@ -1,0 +1,263 @@
+"""The decode loop: prefill, then one jitted step per static (method, budget, batch, capacity).
+
+Every method is the same step with a different tree: AR verifies the root alone, chain verifies
+[bonus, greedy drafts] causally, DDTree verifies the best `budget`-node tree. The loop runs in
+`lax.while_loop` on device; the host sees the results once, at the end.
+
+  draft -> build tree -> verify (one target forward) -> accept -> commit (target + drafter caches)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from ddtree_jax.models import decoder
+from ddtree_jax import sharding
+from ddtree_jax.spec import tree as tree_lib
+from ddtree_jax.spec import verify
+from ddtree_jax.kernels import Kernels
+
+METHODS = ("ar", "chain", "ddtree")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopConfig:
+  """Static settings of one compiled decode program (a request's: `request.GenerateOptions`'
+  `loop_config`)."""
+  method: str
+  max_new_tokens: int
+  num_drafts: int = 0             # L = drafter block size - 1 (0 for AR)
+  budget: int = 0                 # non-root tree nodes (ddtree)
+  topk_cap: int | None = None
+  temperature: float = 0.0
+  top_k: int | None = None
+  top_p: float | None = None
+  stop_ids: tuple[int, ...] = ()
+  kernels: Kernels = Kernels()    # attention / q-k / residual / embedding implementations, mesh
+  steps_per_check: int = 1        # steps between two checks of the loop's stop condition
+                                  # (each check is a host round trip; see decode_loop)
+
+  @property
+  def mesh(self):
+    return self.kernels.mesh
+
+  @property
+  def rules(self):
+    return self.kernels.rules
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DecodeState:
+  cache: decoder.KVCache                   # target K/V of committed tokens
+  draft_cache: decoder.KVCache | None      # drafter context K/V (same lens), None for AR
+  bonus: jax.Array                       # [B] last emitted token, not yet in the cache
+  out: jax.Array                         # [B, M] emitted tokens
+  n_out: jax.Array                       # [B] tokens emitted so far
+  done: jax.Array                        # [B] bool
+  accepted: jax.Array                    # [M, B] tokens committed at each step (0 once done)
+  step: jax.Array                        # [] int32
+  key: jax.Array                         # PRNG key
+
+  def partition_specs(self, axes) -> DecodeState:
+    """The caches by their own layout, the per-sequence fields over dp on their batch dim,
+    step and key replicated."""
+    def batch(x, dim):
+      spec = [None] * x.ndim
+      spec[dim] = axes("batch", x.shape[dim], "batch")
+      return P(*spec)
+    return DecodeState(
+        cache=self.cache.partition_specs(axes),
+        draft_cache=None if self.draft_cache is None else self.draft_cache.partition_specs(axes),
+        bonus=batch(self.bonus, 0), out=batch(self.out, 0), n_out=batch(self.n_out, 0),
+        done=batch(self.done, 0), accepted=batch(self.accepted, 1), step=P(),
+        key=jax.tree.map(lambda _: P(), self.key))
+
+
+def _root_tree(bonus):
+  """AR: a tree of the root alone."""
+  b = bonus.shape[0]
+  return tree_lib.DraftTree(tokens=bonus[:, None].astype(jnp.int32),
+                            parents=jnp.full((b, 1), -1, jnp.int32),
+                            depths=jnp.zeros((b, 1), jnp.int32),
+                            scores=jnp.zeros((b, 1), jnp.float32),
+                            visibility=jnp.ones((b, 1, 1), bool))
+
+
+def _stop_and_emit(lc: LoopConfig, state: DecodeState, emitted, tau):
+  """How many of `emitted` [B, W] each sequence keeps: tau, cut at max_new_tokens and after the
+  first stop token. Returns (count [B], hit_stop [B])."""
+  r = jnp.arange(emitted.shape[1])[None]
+  count = jnp.where(state.done, 0, jnp.minimum(tau, lc.max_new_tokens - state.n_out))
+  if not lc.stop_ids:
+    return count, jnp.zeros_like(state.done)
+  is_stop = jnp.isin(emitted, jnp.asarray(lc.stop_ids, jnp.int32)) & (r < count[:, None])
+  hit = jnp.any(is_stop, axis=1)
+  return jnp.where(hit, jnp.argmax(is_stop, axis=1) + 1, count).astype(jnp.int32), hit
+
+
+def _advance(lc, dparams, dcfg, state, new_k, new_v, taps, src, emitted, tau, key):
+  """Commits `count` rows (src [B, W] of the verified block) and emits their tokens."""
+  count, hit = _stop_and_emit(lc, state, emitted, tau)
+  draft_cache = state.draft_cache
+  if draft_cache is not None:  # the drafter gets the committed nodes' features, root included
+    rows = jnp.take_along_axis(taps, src[:, :, None], axis=1)
+    pos = draft_cache.lens[:, None] + jnp.arange(src.shape[1], dtype=jnp.int32)[None]
+    dk, dv = dcfg.context(dparams, rows, pos)
+    ident = jnp.broadcast_to(jnp.arange(src.shape[1], dtype=jnp.int32), src.shape)
+    draft_cache = decoder.commit(draft_cache, dk, dv, ident, count)
+  cache = decoder.commit(state.cache, new_k, new_v, src, count)
+  b, w = emitted.shape
+  r = jnp.arange(w, dtype=jnp.int32)[None]
+  dst = jnp.where(r < count[:, None], state.n_out[:, None] + r, lc.max_new_tokens)
+  out = state.out.at[jnp.arange(b)[:, None], dst].set(emitted, mode="drop")
+  last = jnp.take_along_axis(emitted, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
+  n_out = state.n_out + count
+  return DecodeState(
+      cache=cache, draft_cache=draft_cache,
+      bonus=jnp.where(count > 0, last, state.bonus), out=out, n_out=n_out,
+      done=state.done | hit | (n_out >= lc.max_new_tokens),
+      # a step of sequences that are all done (steps_per_check > 1) commits nothing, not counted
+      accepted=state.accepted.at[state.step].set(count),
+      step=state.step + jnp.any(~state.done).astype(jnp.int32), key=key)
+
+
+def make_tree(lc: LoopConfig, draft_logits, bonus, draft_vocab=None):
+  """The tree each method verifies: the root alone (AR), the greedy chain, or the DDTree tree.
+
+  draft_vocab [Vd]: the drafter's logits cover these vocabulary ids only
+  (`drafter.restrict_vocab`); the drafted nodes' tokens are mapped back to vocabulary ids."""
+  if lc.method == "ar":
+    return _root_tree(bonus)
+  if lc.method == "chain":
+    tree = tree_lib.chain_tree(draft_logits, bonus)
+  else:
+    tree = tree_lib.build_tree(draft_logits, lc.budget, lc.topk_cap, root_token=bonus,
+                               vocab_top=lc.kernels.vocab_top_k)
+  if draft_vocab is None:
+    return tree
+  root, drafted = tree.tokens[..., :1], tree.tokens[..., 1:]  # the root is the bonus, an id
+  return dataclasses.replace(tree, tokens=jnp.concatenate([root, draft_vocab[drafted]], axis=-1))
+
+
+def draft(dparams, tparams, dcfg, lc: LoopConfig, state: DecodeState):
+  """The drafter's logits [B, L, V] (or [B, L, Vd]) for the block after each bonus."""
+  return dcfg.draft(dparams, tparams, state.draft_cache, state.bonus, lc.kernels.outside_verify)
+
+
+def verify_and_pick(tparams, tcfg, dcfg, lc: LoopConfig, state: DecodeState, tree, key,
+                    pick=None):
+  """Target forward over the tree; the target's choice (argmax or sample) at every node:
+  pick(logits [B, N, V], key) -> [B, N], by default `verify.pick` with lc's settings."""
+  taps_at = () if dcfg is None else dcfg.target_layer_ids
+  logits, new_k, new_v, taps = verify.verify_tree(tparams, tcfg, state.cache, tree.tokens,
+                                                  tree.depths, tree.visibility, taps_at,
+                                                  lc.kernels)
+  if pick is None:
+    pick = lambda x, k: verify.pick(x, lc.temperature, k, lc.top_k, lc.top_p)
+  return pick(logits, key), new_k, new_v, taps
+
+
+def accept_and_commit(dparams, dcfg, lc: LoopConfig, state, tree, post, new_k, new_v, taps, key):
+  path, tau, emitted = verify.accept(tree.tokens, tree.parents, tree.depths, tree.visibility,
+                                     post, lc.num_drafts)
+  return _advance(lc, dparams, dcfg, state, new_k, new_v, taps, path, emitted, tau, key)
+
+
+def _split_key(key):
+  """(next key, pick key) of the state's key, or of each row's key when it holds one per row."""
+  if key.ndim == 0:
+    return tuple(jax.random.split(key))
+  keys = jax.vmap(jax.random.split)(key)
+  return keys[:, 0], keys[:, 1]
+
+
+def step(tparams, tcfg, dparams, dcfg, lc: LoopConfig, state: DecodeState,
+         pick=None) -> DecodeState:
+  """One speculative step for every sequence of the batch; `pick` as `verify_and_pick`'s (the
+  slot engine's picks each row with its own settings and key)."""
+  key, pick_key = _split_key(state.key)
+  logits = None
+  if lc.method != "ar":
+    with jax.named_scope("draft"):  # scopes name the stages in profiles (profile_step.py)
+      logits = draft(dparams, tparams, dcfg, lc, state)
+  with jax.named_scope("tree"):
+    tree = make_tree(lc, logits, state.bonus, None if dcfg is None else dcfg.vocab(dparams))
+  with jax.named_scope("verify"):
+    post, new_k, new_v, taps = verify_and_pick(tparams, tcfg, dcfg, lc, state, tree, pick_key,
+                                               pick)
+  with jax.named_scope("accept_commit"):
+    return accept_and_commit(dparams, dcfg, lc, state, tree, post, new_k, new_v, taps, key)
+
+
+@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "lc", "capacity"))
+def prefill(tparams, dparams, tokens, lens, key, *, tcfg, dcfg, lc: LoopConfig, capacity: int):
+  """Prompts [B, T] (right-padded, true lengths `lens`) -> the initial DecodeState."""
+  pick = lambda logits, k: verify.pick(logits, lc.temperature, k, lc.top_k, lc.top_p)
+  return prefill_with(pick, tparams, dparams, tokens, lens, key, tcfg=tcfg, dcfg=dcfg, lc=lc,
+                      capacity=capacity)
+
+
+def prefill_with(pick, tparams, dparams, tokens, lens, key, *, tcfg, dcfg, lc: LoopConfig,
+                 capacity: int):
+  """`prefill` (not jitted) with the first token pick(logits [B, V], key) -> [B] int32."""
+  b, t = tokens.shape
+  cache = decoder.init_target_cache(tcfg, b, capacity, tparams.embed.dtype)
+  cache = sharding.constrain(cache, lc.mesh, lc.rules)
+  positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  taps_at = () if dcfg is None else dcfg.target_layer_ids
+  hidden, new_k, new_v, taps = decoder.forward(tparams, tcfg, tokens, positions, cache,
+                                             decoder.causal_mask(lens, t), taps_at,
+                                             lc.kernels.outside_verify)
+  cache = decoder.commit(cache, new_k, new_v, positions, lens)
+  draft_cache = None
+  if dcfg is not None:
+    dl = dcfg.layers
+    dk, dv = dcfg.context(dparams, taps, positions)
+    draft_cache = decoder.init_cache(dl.num_layers, b, dl.num_kv_heads, capacity, dl.head_dim,
+                                   dk[0].dtype)
+    draft_cache = sharding.constrain(draft_cache, lc.mesh, lc.rules)
+    draft_cache = decoder.commit(draft_cache, dk, dv, positions, lens)
+  last = jnp.take_along_axis(hidden, (lens - 1)[:, None, None], axis=1)[:, 0]
+  key, pick_key = jax.random.split(key)
+  first = pick(decoder.lm_head(tparams, last), pick_key)
+  m = lc.max_new_tokens
+  done = jnp.isin(first, jnp.asarray(lc.stop_ids, jnp.int32)) | (m <= 1)
+  state = DecodeState(
+      cache=cache, draft_cache=draft_cache, bonus=first,
+      out=jnp.zeros((b, m), jnp.int32).at[:, 0].set(first), n_out=jnp.ones((b,), jnp.int32),
+      done=done, accepted=jnp.zeros((m, b), jnp.int32), step=jnp.zeros((), jnp.int32), key=key)
+  return sharding.constrain(state, lc.mesh, lc.rules)
+
+
+# XLA:GPU records the loop body into CUDA graphs. XLA's default (LHS) chains every kernel after the
+# one before it; CONCURRENT links each kernel only to the kernels whose buffers it needs, so
+# independent kernels overlap (docs/findings/host-loop-and-cuda-graphs.md). CPU backends
+# ignore it; `.compile(compiler_options=...)` overrides it.
+LOOP_COMPILER_OPTIONS = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
+
+
+@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "lc"), donate_argnames=("state",),
+                   compiler_options=LOOP_COMPILER_OPTIONS)
+def decode_loop(tparams, dparams, state, *, tcfg, dcfg, lc: LoopConfig):
+  """Steps until every sequence is done, all inside one `lax.while_loop`.
+
+  XLA:GPU evaluates a while loop's condition on the host: each iteration copies the predicate
+  back and waits for it, so the device idles until the host launches the next iteration
+  (docs/findings/host-loop-and-cuda-graphs.md). With lc.steps_per_check = K > 1 an
+  iteration runs K steps as a fixed-trip loop (no check between them): one round trip per K
+  steps, and up to K - 1 steps at the end compute for sequences that are all done (they commit
+  nothing and are not counted)."""
+  max_steps = max(lc.max_new_tokens - 1, 0)  # every active step emits at least one token
+  cond = lambda s: (s.step < max_steps) & ~jnp.all(s.done)
+  one = lambda s: sharding.constrain(step(tparams, tcfg, dparams, dcfg, lc, s), lc.mesh,
+                                     lc.rules)
+  body = one
+  if lc.steps_per_check > 1:
+    body = lambda s: jax.lax.fori_loop(0, lc.steps_per_check, lambda _, s: one(s), s)
+  return jax.lax.while_loop(cond, body, state)

@@ -1,0 +1,1 @@
+"""Tools around the engine: profiling, tree pictures, the code sandbox."""

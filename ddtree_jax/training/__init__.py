@@ -1,0 +1,1 @@
+"""Training the bundled pair: data, losses, the loop."""
