@@ -102,11 +102,10 @@ def test_subset_missing_some_target_tokens_stays_lossless(pair):
   vocab = rng.permutation([i for i in range(v) if i not in dropped][: v // 2 + len(used)])
   sub = subset_oracle(target, path, ar, vocab, corruption=0.1)
   full = oracle_drafter(dj.load_drafter(path, target), PROMPTS, ar, corruption=0.1)
-  real = dj.load_drafter(path, target, int8=True, draft_vocab=vocab[:64])
   for method, budget in (("chain", None), ("ddtree", 3), ("ddtree", 16)):
     kw = dict(method=method, budget=budget, max_new_tokens=M, stop_token_ids=())
     got = {name: dj.generate(target, PROMPTS, drafter=d, **kw)
-           for name, d in (("sub", sub), ("full", full), ("real", real))}
+           for name, d in (("sub", sub), ("full", full))}
     assert all(r.tokens == ar for r in got.values()), (method, budget)
     # the kept ids are still drafted deep; the dropped ones cut paths the full oracle accepts
     assert 1.5 < got["sub"].stats["tau"] < got["full"].stats["tau"], (method, budget)

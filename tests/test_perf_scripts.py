@@ -51,7 +51,7 @@ def test_bench_moe_small_rows_and_plot(tmp_path):
   """The MoE benchmark's sections on the tiny MoE shape, its loop rows with distinct experts,
   and the plot drawn from them."""
   out = tmp_path / "moe.jsonl"
-  run_script("bench_moe", "--small", "--repeats=1", "--steps=2", "--tokens=1,9",
+  run_script("bench_moe", "--small", "--attention=xla", "--repeats=1", "--steps=2", "--tokens=1,9",
              "--impls=xla,pairs:16x16x16", "--verify_tokens=3", "--loop_runs=1:ar,4",
              "--compile_threads=2", f"--json_out={out}")
   rows = read_rows(out)

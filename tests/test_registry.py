@@ -105,8 +105,8 @@ def test_the_cycle_finder_finds_cycles():
 # A toy family: the Qwen3 architecture under the names of Meta's original Llama checkpoints
 # (tok_embeddings, attention.wq, feed_forward.w1 / w2 / w3, output) and a config.json of its own
 # field names. Everything it needs is defined here.
-TOY_NAMES = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
-             "lm_head.weight": "output.weight"}
+TOY_NAMES = {"model.embed_tokens.weight": "tok_embeddings.weight",
+             "model.norm.weight": "norm.weight", "lm_head.weight": "output.weight"}
 TOY_LAYER_NAMES = {"input_layernorm": "attention_norm", "post_attention_layernorm": "ffn_norm",
                    "self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk",
                    "self_attn.v_proj": "attention.wv", "self_attn.o_proj": "attention.wo",
@@ -174,7 +174,8 @@ def _write_toy(hf_dir, toy_dir):
   write_safetensors(os.path.join(toy_dir, "model.safetensors"), renamed)
   with open(os.path.join(hf_dir, "config.json")) as f:
     hf = json.load(f)
-  toy = {"model_type": "toy_llama_layout"} | {name: hf[hf_name] for name, hf_name in TOY_FIELDS.items()}
+  toy = {"model_type": "toy_llama_layout"} | {name: hf[hf_name]
+                                              for name, hf_name in TOY_FIELDS.items()}
   with open(os.path.join(toy_dir, "config.json"), "w") as f:
     json.dump(toy, f)
 

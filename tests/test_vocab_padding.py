@@ -44,7 +44,7 @@ def pair(tmp_path_factory):
   return path, dpath, target, dj.load_drafter(dpath, target), ar, sampled
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [2])  # (tp 4 and 8: the top-k and placement tests below)
 def test_generate_on_padded_vocab_equals_one_device(pair, tp):
   """Loaded onto tp devices: embed / lm_head padded with zeros to the next multiple of tp; the
   logits, greedy AR, sampled AR and DDTree (the real drafter's forward in the loop) are the

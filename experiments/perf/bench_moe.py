@@ -47,6 +47,8 @@ from experiments.perf import common_flags, harness
 
 common_flags.define("small", "prefix", "repeats", "compile_threads", "floor_bandwidth",
                     "json_out")
+flags.DEFINE_enum("attention", "pallas", ["pallas", "xla"], "the verify and loop sections' "
+                  "kernels (Kernels.attention; xla: a CPU smoke without interpreted kernels)")
 flags.DEFINE_string("latent", "default", "MLA shapes' latent attention: default (KernelTuning's "
                     "rule), xla, or the Pallas kernel wherever it runs at a launch SPLIT_ROWSx"
                     "MAX_SPLITS[:BLOCK_QxBLOCK_KxWARPSxSTAGES] (harness.latent_tuning)")
@@ -137,7 +139,7 @@ def main(_):
   dp, dcfg = (harness.random_drafter(tcfg, jax.random.key(1), small) if "loop" in sections
               else (None, None))
   dp = sharding.shard_params(dp, mesh, rules)
-  kern = Kernels("pallas", mesh, rules, tuning=harness.latent_tuning(FLAGS.latent))
+  kern = Kernels(FLAGS.attention, mesh, rules, tuning=harness.latent_tuning(FLAGS.latent))
   # expert counts: on a GPU the Pallas experts (XLA's ragged_dot autotunes on copies of a layer's
   # weights, more than a Kimi-K2 layer leaves free); on a CPU XLA's (Pallas would be interpreted)
   on_gpu = jax.default_backend() == "gpu"
