@@ -2,15 +2,39 @@
 
 import os
 
+import jax
+from jax.experimental.compilation_cache import compilation_cache
 import pytest
 
 import ddtree_jax as dj
+from ddtree_jax import engine
 from conftest import FIXTURES
 from helpers import assert_accepted, oracle_drafter, write_drafter
 
 M = 40
 PROMPTS = [[3, 17, 99, 4, 250, 31, 8], [42], [7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 9],
            [200, 1, 0, 3], [15, 16], [101] * 30, [5, 6, 7], [88, 77, 66, 55, 44, 33, 22]]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _shared_compiles(tmp_path_factory):
+  """JAX's persistent compilation cache, for this module only: the engine keys a program by every
+  static of the request, but many of this module's requests lower to the same XLA program (the
+  prefill does not depend on the method, the budget, the oracle's seed or steps_per_check), and
+  such a program is then compiled once and read back. The process's settings are put back
+  after, the cache off if it was."""
+  before = (jax.config.jax_compilation_cache_dir,
+            jax.config.jax_persistent_cache_min_compile_time_secs,
+            jax.config.jax_persistent_cache_min_entry_size_bytes)
+  engine.enable_compilation_cache(str(tmp_path_factory.mktemp("xla_cache")))
+  yield
+  if before[0]:
+    engine.enable_compilation_cache(before[0], before[1])
+  else:
+    jax.config.update("jax_compilation_cache_dir", None)
+    compilation_cache.reset_cache()
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", before[2])
 
 
 @pytest.fixture(scope="module")
@@ -26,6 +50,7 @@ def drafter(target, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ar(target):
+  # also the request of test_steps_per_check_changes_no_token_and_no_stat[ar]'s K = 1 runs
   return dj.generate(target, PROMPTS, max_new_tokens=M, stop_token_ids=()).tokens
 
 
@@ -104,8 +129,9 @@ def test_topk1_tree_reproduces_chain(target, drafter, ar):
 def test_budget_switching_in_one_process(target, drafter, ar):
   """The seed's scenario: 8 -> 16 -> 32 -> 64 -> 8 in one process stays lossless."""
   idx = _batch(3)
-  d = _oracle(drafter, ar, idx, seed=3)
   for budget in (8, 16, 32, 64, 8):
+    # test_ddtree_is_lossless's oracle (seed = budget), so its batch-3 programs serve these runs
+    d = _oracle(drafter, ar, idx, seed=budget)
     res = dj.generate(target, [PROMPTS[i] for i in idx], method="ddtree", drafter=d,
                       budget=budget, max_new_tokens=M, stop_token_ids=())
     assert res.tokens == [ar[i] for i in idx], budget
@@ -117,8 +143,10 @@ def test_steps_per_check_changes_no_token_and_no_stat(target, drafter, ar, metho
   max_new_tokens (the largest allowed: one group for the whole request) run idle steps after
   every sequence is done. Tokens, acceptance lengths and step counts equal K = 1's, with and
   without a stop token."""
-  idx = _batch(3)
-  d = _oracle(drafter, ar, idx, seed=5) if method != "ar" else None
+  # K = 1 without a stop token is the `ar` fixture's request (AR) and test_ddtree_is_lossless's
+  # batch-3 B=16 one (DDTree, its oracle: seed = budget), so their programs serve it.
+  idx = _batch(8 if method == "ar" else 3)
+  d = _oracle(drafter, ar, idx, seed=budget) if method != "ar" else None
   prompts = [PROMPTS[i] for i in idx]
   for stop in ((), (ar[0][12],)) if method == "ddtree" else ((),):
     runs = [dj.generate(target, prompts, method=method, drafter=d, budget=budget,

@@ -63,6 +63,23 @@ def pair(tmp_path_factory):
   return target, dj.load_drafter(path, target)
 
 
+@pytest.fixture(scope="module")
+def laws(pair):
+  """laws(temperature, filters): `conditionals` of the pair's target K + L - 1 tokens deep (what
+  `run_case` needs), computed once per setting: the biased-rule test samples a case's setting
+  again, after clearing JAX's caches (which would compile the forward anew)."""
+  target, _ = pair
+  found = {}
+
+  def get(temperature, filters):
+    key = (temperature, tuple(sorted(filters.items())))
+    if key not in found:
+      found[key] = conditionals(target, temperature, depth=K + L - 1, **filters)
+    return found[key]
+
+  return get
+
+
 # ---------------------------------------------------------------- exact laws and the decision
 
 
@@ -212,9 +229,11 @@ def rows(method):
   return N_CHAIN if method == "chain" else N
 
 
-def run_case(target, method, budget, temperature, filters, seed=0):
-  """(verdict, share of rounds that committed 3+ tokens) of one case."""
-  conds = conditionals(target, temperature, depth=K + L - 1, **filters)
+def run_case(target, method, budget, temperature, filters, seed=0, conds=None):
+  """(verdict, share of rounds that committed 3+ tokens) of one case; conds: its
+  `conditionals`, K + L - 1 tokens deep (None: computed here)."""
+  if conds is None:
+    conds = conditionals(target, temperature, depth=K + L - 1, **filters)
   counts, res = sample(target, table_drafter(conds), method, budget, temperature, k=K,
                        n=rows(method), seed=seed, **filters)
   lengths = np.asarray([a for seq in res.stats["acceptance_lengths"] for a in seq])
@@ -222,14 +241,15 @@ def run_case(target, method, budget, temperature, filters, seed=0):
 
 
 @pytest.mark.parametrize("method,budget,temperature,filters,multi", CASES)
-def test_sampling_over_accepted_trees(pair, method, budget, temperature, filters, multi):
+def test_sampling_over_accepted_trees(pair, laws, method, budget, temperature, filters, multi):
   """The first K tokens follow the target's joint law while rounds commit drafted paths.
 
   Power against a 5 % non-root leak (`leaky_commit`): 0.98 to 1.00 per case, false alarm
   <= 0.0012 per case (all six cases: power 1.00, false alarm 0.005);
   experiments/sampling_power.py."""
   target, _ = pair
-  v, share = run_case(target, method, budget, temperature, filters)
+  v, share = run_case(target, method, budget, temperature, filters,
+                      conds=laws(temperature, filters))
   assert share >= multi, f"only {share:.0%} of rounds committed 3+ tokens"
   assert passes(v), v
 
@@ -251,14 +271,15 @@ def leaky_commit(real_commit, leak):
   return accept_and_commit
 
 
-def test_biased_acceptance_rule_is_caught(pair, monkeypatch):
+def test_biased_acceptance_rule_is_caught(pair, laws, monkeypatch):
   """Proof the test can fail: the 5 % non-root leak of `leaky_commit` (one seed)."""
   target, _ = pair
+  conds = laws(1.0, dict(top_k=3))  # the exact law does not depend on the commit rule
   engine._PROGRAMS.clear()
   jax.clear_caches()
   monkeypatch.setattr(decode, "accept_and_commit", leaky_commit(decode.accept_and_commit, 0.05))
   try:
-    v, _ = run_case(target, "ddtree", PARTIAL, 1.0, dict(top_k=3))
+    v, _ = run_case(target, "ddtree", PARTIAL, 1.0, dict(top_k=3), conds=conds)
   finally:
     engine._PROGRAMS.clear()
     jax.clear_caches()
