@@ -2,7 +2,8 @@
 
 import os as _os
 
-from ddtree_jax.checkpoints.hf import Drafter, Target, load_drafter, load_target
+from ddtree_jax.checkpoints.dflash import Drafter, load_drafter
+from ddtree_jax.checkpoints.hf import Target, load_target
 from ddtree_jax.engine import (GenerateResult, compile_many, compile_only, draft_logits,
                                forward_logits, generate)
 from ddtree_jax.spec.tree import DraftTree, build_tree

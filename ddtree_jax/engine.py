@@ -19,7 +19,8 @@ from ddtree_jax.models import drafter as drafter_lib
 from ddtree_jax import kernels as kernels_lib
 from ddtree_jax.models import decoder
 from ddtree_jax import sharding
-from ddtree_jax.checkpoints.hf import Drafter, Target
+from ddtree_jax.checkpoints.dflash import Drafter
+from ddtree_jax.checkpoints.hf import Target
 from ddtree_jax.request import GenerateOptions, RequestError, token_ids as check_token_ids
 from ddtree_jax.spec.sampling import seed_key_data
 

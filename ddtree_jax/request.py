@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Sequence
 import jax
 import numpy as np
 
-from ddtree_jax.checkpoints.hf import Drafter
+from ddtree_jax.checkpoints.dflash import Drafter
 from ddtree_jax.kernels import ATTENTIONS, Kernels, KernelTuning
 from ddtree_jax.spec.decode import METHODS, LoopConfig
 

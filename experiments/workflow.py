@@ -307,7 +307,7 @@ def random_drafter(target, shape, seed: int = 1, std: float = 0.02):
   """A random DFlash drafter (Qwen3-style layers, the target's width) for `target`."""
   import jax  # pylint: disable=import-outside-toplevel
   from ddtree_jax import sharding
-  from ddtree_jax.checkpoints import hf as checkpoint
+  from ddtree_jax.checkpoints import dflash
   from ddtree_jax.models import drafter as drafter_lib  # pylint: disable=import-outside-toplevel
   tcfg = target.config
   lcfg = dataclasses.replace(tcfg, num_layers=shape.num_layers, model_type="qwen3", qk_norm=True)
@@ -331,7 +331,7 @@ def random_drafter(target, shape, seed: int = 1, std: float = 0.02):
                                    target_layer_ids=ids)
   params = harness.random_drafter_params(tcfg, dcfg, jax.random.key(seed), target.dtype, std)
   params = sharding.shard_params(params, target.mesh, target.rules)
-  return checkpoint.Drafter(params=params, config=dcfg, path="random")
+  return dflash.Drafter(params=params, config=dcfg, path="random")
 
 
 def load_models(cfg, mesh=None):
@@ -346,9 +346,9 @@ def load_models(cfg, mesh=None):
   if cfg.drafter:
     drafter = dj.load_drafter(cfg.drafter, target, int8=cfg.drafter_int8, draft_vocab=vocab)
   elif cfg.random_drafter:
-    from ddtree_jax.checkpoints import hf as checkpoint  # pylint: disable=import-outside-toplevel
+    from ddtree_jax.checkpoints import dflash  # pylint: disable=import-outside-toplevel
     drafter = random_drafter(target, cfg.drafter_shape, cfg.seed + 1, cfg.drafter_shape.init_std)
-    drafter = dataclasses.replace(drafter, params=checkpoint.derive_drafter_params(
+    drafter = dataclasses.replace(drafter, params=dflash.derive_drafter_params(
         drafter.params, target, int8=cfg.drafter_int8, draft_vocab=vocab))
   return target, drafter
 

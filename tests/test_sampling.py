@@ -24,7 +24,8 @@ from ddtree_jax import engine
 from ddtree_jax.spec import decode
 from ddtree_jax.models import decoder
 from ddtree_jax.spec import verify
-from ddtree_jax.checkpoints.hf import Drafter, Target
+from ddtree_jax.checkpoints.dflash import Drafter
+from ddtree_jax.checkpoints.hf import Target
 from ddtree_jax.models.config import ModelConfig
 from ddtree_jax.models.drafter import DrafterConfig
 from helpers import write_drafter

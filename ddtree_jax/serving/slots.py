@@ -39,7 +39,8 @@ import numpy as np
 
 from ddtree_jax.spec import decode
 from ddtree_jax.serving import programs
-from ddtree_jax.checkpoints.hf import Drafter, Target
+from ddtree_jax.checkpoints.dflash import Drafter
+from ddtree_jax.checkpoints.hf import Target
 from ddtree_jax.request import MAX_BUDGET, GenerateOptions
 from ddtree_jax.spec.sampling import Settings, seed_key_data
 
