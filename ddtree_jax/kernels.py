@@ -31,9 +31,9 @@ from jax.sharding import PartitionSpec as P
 
 from ddtree_jax import sharding
 from ddtree_jax.models import attention as attention_lib
-from ddtree_jax.models import mla, moe as moe_lib
+from ddtree_jax.models import mla, moe as moe_lib, quant
 from ddtree_jax.models.ops import dense, embed_lookup, residual_norm
-from ddtree_jax.pallas import add_rms_norm, grouped_gemm, latent_attention, qk_norm_rope
+from ddtree_jax.pallas import add_rms_norm, latent_attention, moe_ops, qk_norm_rope
 from ddtree_jax.pallas.tree_attention import tree_attention
 from ddtree_jax.pallas.tuning import KernelTuning
 from ddtree_jax.spec import topk
@@ -122,8 +122,8 @@ class Kernels:
       experts = moe_lib.grouped
     else:
       tuning = self.tuning
-      grouped = functools.partial(moe_lib.grouped, ops=grouped_gemm.expert_ops(tuning))
-      by_pair = functools.partial(moe_lib.pairs, ops=grouped_gemm.pair_ops(tuning))
+      grouped = functools.partial(moe_lib.grouped, ops=moe_ops.expert_ops(tuning))
+      by_pair = functools.partial(moe_lib.pairs, ops=moe_ops.pair_ops(tuning))
 
       def experts(params, x, weights, chosen):
         return (by_pair if chosen.size <= tuning.moe_pair_max else grouped)(
@@ -250,9 +250,11 @@ def shard_moe(experts: Callable, mesh, rules=None) -> Callable:
 
   def wrapped(params, x, *, routing):
     size = lambda name: mesh.shape[name] if name in mesh.shape else 1
-    e, _, _, i = params.w_gate_up.shape
+    e = params.w_gate_up.shape[0]
+    widths = quant.split_sizes(params.w_gate_up, 3) + quant.split_sizes(params.w_down, 1)
     ep = rules.experts if rules.experts in mesh.shape and e % size(rules.experts) == 0 else None
-    mp = rules.mlp if rules.mlp in mesh.shape and i % size(rules.mlp) == 0 else None
+    mp = (rules.mlp if rules.mlp in mesh.shape and all(w % size(rules.mlp) == 0 for w in widths)
+          else None)
     bt = rules.batch if (rules.batch in mesh.shape and rules.batch not in (ep, mp)
                          and x.shape[0] % size(rules.batch) == 0) else None
     summed = tuple(a for a in (ep, mp) if a is not None)
@@ -268,8 +270,9 @@ def shard_moe(experts: Callable, mesh, rules=None) -> Callable:
       return jax.lax.psum(y, summed) if summed else y
 
     return jax.shard_map(local, mesh=mesh, check_vma=False,
-                         in_specs=(P(), P(), P(ep, None, None, mp), P(ep, mp, None),
-                                   P(bt, None)),
+                         in_specs=(P(), P(), quant.spec_like(params.w_gate_up,
+                                                             P(ep, None, None, mp)),
+                                   quant.spec_like(params.w_down, P(ep, mp, None)), P(bt, None)),
                          out_specs=P(bt, None))(params.router, params.bias, params.w_gate_up,
                                                 params.w_down, x)
 

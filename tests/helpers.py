@@ -16,8 +16,10 @@ from ddtree_jax.models.drafter import DrafterConfig
 
 def write_drafter(path, target_cfg, *, num_layers=2, block_size=8, mask_token_id=5,
                   target_layer_ids=(0, 1), seed=0, std=0.2, config_overrides=None,
-                  nest_block_size=False, drop=(), reshape=None):
-  """Writes a random DFlash drafter (config.json + model.safetensors) matching `target_cfg`."""
+                  nest_block_size=False, drop=(), reshape=None, rope=None):
+  """Writes a random DFlash drafter (config.json + model.safetensors) matching `target_cfg`.
+  rope: config.json fields of the drafter's own RoPE (rope_scaling, or rope_parameters, which
+  then holds rope_theta as transformers 5 writes it); None: the target's rope_theta, unscaled."""
   rng = np.random.default_rng(seed)
   h, i = target_cfg.hidden_size, target_cfg.intermediate_size
   n, k, d = target_cfg.num_heads, target_cfg.num_kv_heads, target_cfg.head_dim
@@ -48,6 +50,10 @@ def write_drafter(path, target_cfg, *, num_layers=2, block_size=8, mask_token_id
     cfg["dflash_config"]["block_size"] = block_size
   else:
     cfg["block_size"] = block_size
+  if rope is not None:
+    if "rope_theta" in (rope.get("rope_parameters") or {}):
+      del cfg["rope_theta"]
+    cfg.update(rope)
   cfg.update(config_overrides or {})
   os.makedirs(path, exist_ok=True)
   with open(os.path.join(path, "config.json"), "w") as f:
@@ -313,3 +319,17 @@ def drafter_and_ar(path, target, prompts, max_new_tokens, target_layer_ids):
                                           target_layer_ids=target_layer_ids), target)
   return drafter, dj.generate(target, prompts, max_new_tokens=max_new_tokens,
                               stop_token_ids=()).tokens
+
+
+def load_fixture(name, **kw):
+  """(float32 Target, its reference.npz) of tests/fixtures/hf/<name>; kw to `load_target`."""
+  import ddtree_jax as dj  # pylint: disable=import-outside-toplevel
+  path = os.path.join(os.path.dirname(__file__), "fixtures", "hf", name)
+  return dj.load_target(path, dtype="float32", **kw), np.load(os.path.join(path, "reference.npz"))
+
+
+def assert_close_rel(a, b, rel=1e-4):
+  """Same shape, and max |a - b| within rel of max |b|."""
+  a, b = np.asarray(a), np.asarray(b)
+  assert a.shape == b.shape
+  assert np.max(np.abs(a - b)) <= rel * np.max(np.abs(b)), np.max(np.abs(a - b))

@@ -12,32 +12,21 @@ import numpy as np
 import pytest
 
 import ddtree_jax as dj
-from conftest import FIXTURES
 from ddtree_jax import kernels, sharding
 from ddtree_jax.models import ops
 from ddtree_jax.checkpoints import hf as checkpoint
 from ddtree_jax.models import mla
 from ddtree_jax.models import decoder
-from ddtree_jax.models import moe
+from ddtree_jax.models import moe, quant
 from ddtree_jax.pallas.latent_attention import latent_attention
 from ddtree_jax.checkpoints.safetensors_io import CheckpointError, read_safetensors, write_safetensors
-from helpers import (assert_lossless, assert_real_drafter_lossless, cached_decode_logits,
-                     copy_fixture, drafter_and_ar, edit_config, oracle_drafter, write_drafter)
+from helpers import (assert_close_rel, assert_lossless, assert_real_drafter_lossless,
+                     cached_decode_logits, copy_fixture, drafter_and_ar, edit_config, load_fixture,
+                     oracle_drafter, write_drafter)
 
 FIXTURE_NAMES = ["dsv3_qlora_groups", "dsv3_plain"]
 M = 32
 PROMPTS = [[3, 17, 99, 4, 250, 31, 8], [42], [7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 9]]
-
-
-def _load(name, **kw):
-  path = os.path.join(FIXTURES, name)
-  return dj.load_target(path, dtype="float32", **kw), np.load(os.path.join(path, "reference.npz"))
-
-
-def _close(a, b, rel=1e-4):
-  a, b = np.asarray(a), np.asarray(b)
-  assert a.shape == b.shape
-  assert np.max(np.abs(a - b)) <= rel * np.max(np.abs(b)), np.max(np.abs(a - b))
 
 
 # --------------------------------------------------------------------------------------------
@@ -45,7 +34,7 @@ def _close(a, b, rel=1e-4):
 
 
 def test_config_parsing():
-  (groups, _), (plain, _) = (_load(n) for n in FIXTURE_NAMES)
+  (groups, _), (plain, _) = (load_fixture(n) for n in FIXTURE_NAMES)
   g, p = groups.config, plain.config
   assert g.is_mla and g.q_lora_rank == 24 and p.q_lora_rank == 0
   assert g.cache_layout == (1, 40, 0) and g.head_dim == 24 and g.rope_dim == 8
@@ -60,22 +49,22 @@ def test_config_parsing():
 
 @pytest.mark.parametrize("name", FIXTURE_NAMES)
 def test_forward_logits_match_hf(name):
-  target, ref = _load(name)
-  _close(dj.forward_logits(target, ref["input_ids"]), ref["logits"])
+  target, ref = load_fixture(name)
+  assert_close_rel(dj.forward_logits(target, ref["input_ids"]), ref["logits"])
 
 
 @pytest.mark.parametrize("name", FIXTURE_NAMES)
 def test_greedy_24_tokens_match_hf(name):
-  target, ref = _load(name)
+  target, ref = load_fixture(name)
   res = dj.generate(target, [ref["prompt"].tolist()], max_new_tokens=24, stop_token_ids=())
   assert res.tokens[0] == ref["greedy"].tolist()
-  _close(cached_decode_logits(target, ref["prompt"], ref["greedy"]), ref["decode_logits"])
+  assert_close_rel(cached_decode_logits(target, ref["prompt"], ref["greedy"]), ref["decode_logits"])
 
 
 def test_latent_attention_equals_per_head_attention():
   """Absorbed attention over latent rows == decompressed per-head K/V, with ragged prefixes
   and a tree mask among the new rows."""
-  cfg, _ = _load("dsv3_qlora_groups")
+  cfg, _ = load_fixture("dsv3_qlora_groups")
   cfg = cfg.config
   p = mla.init_params(cfg, jax.random.key(1), jnp.float32, std=0.3)
   b, t, s = 2, 5, 12
@@ -97,7 +86,7 @@ def test_latent_attention_equals_per_head_attention():
                           scale=cfg.attention_scale, value_dim=cfg.kv_lora_rank)
   got = jnp.einsum("btnc,cnv->btnv", got, p.w_uv)
   want = mla.attend_naive(p, q_nope, q_rope, cache, prefix, new, mask, scale=cfg.attention_scale)
-  _close(got, want, 1e-5)
+  assert_close_rel(got, want, 1e-5)
 
 
 def _tree_mask(b, t, seed):
@@ -126,7 +115,7 @@ def test_pallas_latent_kernel_equals_reference(t, splits, layer):
   kw = dict(scale=0.2, value_dim=c, layer=layer)
   got = latent_attention(q, cache, prefix, new, mask, block_q=16, block_k=16, num_splits=splits,
                          **kw)
-  _close(got, mla.attend_latent(q, cache, prefix, new, mask, **kw), 1e-5)
+  assert_close_rel(got, mla.attend_latent(q, cache, prefix, new, mask, **kw), 1e-5)
 
 
 def test_latent_key_blocks_fit_shared_memory():
@@ -147,7 +136,7 @@ def test_latent_kernel_rule():
 def test_pallas_latent_kernel_in_the_decode_loop_is_lossless(tmp_path):
   """A DeepSeek-V3-style target with kernel-sized widths (latent 32, RoPE 16): DDTree on the
   Pallas latent kernel (and the grouped experts) gives AR's tokens."""
-  cfg, _ = _load("dsv3_qlora_groups")
+  cfg, _ = load_fixture("dsv3_qlora_groups")
   cfg = dataclasses.replace(cfg.config, qk_rope_head_dim=16, head_dim=32)
   target = checkpoint.Target(params=decoder.init_params(cfg, jax.random.key(4), jnp.float32,
                                                       std=0.3), config=cfg)
@@ -169,7 +158,7 @@ def test_rope_pairs_to_halves():
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-  target, _ = _load("dsv3_qlora_groups")
+  target, _ = load_fixture("dsv3_qlora_groups")
   return (target, *drafter_and_ar(str(tmp_path_factory.mktemp("drafter")), target, PROMPTS, M,
                                   (0, 2)))
 
@@ -236,12 +225,20 @@ def _quantize_fixture(tmp_path, block=16):
 
 
 def test_fp8_checkpoint_loads_as_its_dequantised_twin(tmp_path):
+  """The routed experts stay float8 on the device (a byte a weight), everything else is
+  dequantised on the host; both give the twin's weights and logits."""
   fp8, twin = _quantize_fixture(tmp_path)
   a, b = dj.load_target(fp8, dtype="float32"), dj.load_target(twin, dtype="float32")
-  for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  leaves = lambda p: jax.tree.leaves(p, is_leaf=quant.is_quantized)
+  kept = [x for x in leaves(a.params) if quant.is_quantized(x)]
+  assert len(kept) == 2 * len(a.config.moe_layers)
+  for w in kept:
+    assert w.q.dtype == jnp.float8_e4m3fn and w.q.nbytes == np.prod(w.shape)
+  for x, y in zip(leaves(a.params), leaves(b.params)):
+    np.testing.assert_array_equal(np.asarray(quant.dequantize(x, jnp.float32)), np.asarray(y))
   ids = np.asarray(PROMPTS[0])[None]
-  np.testing.assert_array_equal(dj.forward_logits(a, ids), dj.forward_logits(b, ids))
+  np.testing.assert_allclose(dj.forward_logits(a, ids), dj.forward_logits(b, ids), rtol=1e-6,
+                             atol=1e-6)
 
 
 @pytest.mark.parametrize("quant,match", [
@@ -275,7 +272,7 @@ def test_fp8_without_its_scale_is_named(tmp_path):
 def test_meshes_give_the_tokens_of_one_device(setup, shape):
   target, drafter, ar = setup
   mesh = sharding.make_mesh({"dp": 1, "tp": 1, **shape})
-  sharded, _ = _load("dsv3_qlora_groups", mesh=mesh)
+  sharded, _ = load_fixture("dsv3_qlora_groups", mesh=mesh)
   heads = sharded.params.layers[0].mla.w_uk.addressable_shards[0].data.shape[1]
   assert heads == 4 // shape.get("tp", 1)
   d = oracle_drafter(dj.load_drafter(drafter.path, sharded), PROMPTS, ar)

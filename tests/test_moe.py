@@ -16,26 +16,16 @@ from ddtree_jax.checkpoints import export as hf_export
 from ddtree_jax.models import decoder
 from ddtree_jax.models import moe
 from ddtree_jax.models.config import ModelConfig
-from ddtree_jax.pallas.grouped_gemm import (combine, expert_ops, grouped_matmul, pair_matmul,
-                                            pair_ops, tiles)
+from ddtree_jax.pallas.grouped_gemm import combine, grouped_matmul, pair_matmul, tiles
+from ddtree_jax.pallas.moe_ops import expert_ops, pair_ops
 from ddtree_jax.checkpoints.safetensors_io import CheckpointError, read_safetensors, write_safetensors
-from helpers import (assert_lossless, assert_real_drafter_lossless, cached_decode_logits,
-                     copy_fixture, drafter_and_ar, edit_config, oracle_drafter, write_drafter)
+from helpers import (assert_close_rel, assert_lossless, assert_real_drafter_lossless,
+                     cached_decode_logits, copy_fixture, drafter_and_ar, edit_config, load_fixture,
+                     oracle_drafter, write_drafter)
 
 FIXTURE_NAMES = ["qwen3_moe_top2", "qwen3_moe_sparse_step", "qwen3_moe_top1"]
 M = 32
 PROMPTS = [[3, 17, 99, 4, 250, 31, 8], [42], [7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 9]]
-
-
-def _load(name, **kw):
-  path = os.path.join(FIXTURES, name)
-  return dj.load_target(path, dtype="float32", **kw), np.load(os.path.join(path, "reference.npz"))
-
-
-def _close(a, b, rel=1e-4):
-  a, b = np.asarray(a), np.asarray(b)
-  assert a.shape == b.shape
-  assert np.max(np.abs(a - b)) <= rel * np.max(np.abs(b)), np.max(np.abs(a - b))
 
 
 def _pallas(*args, blocks=(16, 16, 16)):
@@ -62,13 +52,13 @@ def _experts(seed=0, e=8, h=32, i=24, r=11, k=3):
 def test_grouped_equals_reference_and_rows_are_independent():
   params, x, w, ex = _experts()
   want = moe.reference(params, x, w, ex)
-  _close(moe.grouped(params, x, w, ex), want, 1e-5)
-  _close(_pallas(params, x, w, ex), want, 1e-5)
-  _close(moe.pairs(params, x, w, ex), want, 1e-5)
-  _close(_pairs_pallas(params, x, w, ex), want, 1e-5)
+  assert_close_rel(moe.grouped(params, x, w, ex), want, 1e-5)
+  assert_close_rel(_pallas(params, x, w, ex), want, 1e-5)
+  assert_close_rel(moe.pairs(params, x, w, ex), want, 1e-5)
+  assert_close_rel(_pairs_pallas(params, x, w, ex), want, 1e-5)
   for fn in (moe.grouped, _pallas, moe.pairs, _pairs_pallas):  # a row alone: as in the batch
     alone = jnp.concatenate([fn(params, x[r:r + 1], w[r:r + 1], ex[r:r + 1]) for r in range(4)])
-    _close(alone, fn(params, x, w, ex)[:4], 1e-6)
+    assert_close_rel(alone, fn(params, x, w, ex)[:4], 1e-6)
 
 
 def test_router_is_float32_softmax_topk_renormalised():
@@ -91,7 +81,7 @@ def test_elsewhere_pairs_add_nothing():
   kept = jnp.where(ex == 2, jnp.zeros_like(w), w)
   want = moe.reference(params, x, kept, ex)
   for fn in (moe.reference, moe.grouped, _pallas, moe.pairs, _pairs_pallas):
-    _close(fn(params, x, w, gone), want, 1e-5)
+    assert_close_rel(fn(params, x, w, gone), want, 1e-5)
 
 
 def test_pair_matmul_rows_and_elsewhere_pairs():
@@ -120,7 +110,7 @@ def test_pallas_moe_layer_runs_few_pairs_pair_by_pair():
       moe_pair_max=6, moe_pair_blocks=(16, 16, 16))).moe
   for rows in (1, 2, 9):  # 3 and 6 pairs by pair, 27 sorted
     w, ex = moe.route(params, x[:rows], routing)
-    _close(layer(params, x[:rows], routing=routing), moe.reference(params, x[:rows], w, ex), 1e-5)
+    assert_close_rel(layer(params, x[:rows], routing=routing), moe.reference(params, x[:rows], w, ex), 1e-5)
 
 
 @pytest.mark.parametrize("m,e,block_m", [(1, 8, 16), (8, 8, 16), (17, 8, 16), (40, 5, 8),
@@ -134,7 +124,7 @@ def test_pallas_grouped_matmul_equals_ragged_dot(m, e, block_m):
   rhs = jnp.asarray(rng.normal(size=(e, 40, 72)), jnp.float32)
   want = jax.lax.ragged_dot(lhs, rhs, jnp.asarray(sizes))
   got = grouped_matmul(lhs, rhs, jnp.asarray(sizes), block_m=block_m, block_n=32, block_k=16)
-  _close(got, want, 1e-5)
+  assert_close_rel(got, want, 1e-5)
   # every row is covered by exactly one tile, and no tile spans two groups
   group, row0, rows = (np.asarray(a) for a in tiles(jnp.asarray(sizes), m, block_m))
   owner = np.repeat(np.arange(e), sizes)
@@ -153,14 +143,14 @@ def test_pallas_swiglu_gate_up_and_combine_equal_xla():
   xs = jnp.asarray(rng.normal(size=(12, 40)), jnp.float32)        # 2 rows past sum(sizes)
   w = jnp.asarray(rng.normal(size=(4, 40, 2, 24)), jnp.float32)
   want = moe.xla_gate_up(xs, w, sizes)[:10]
-  _close(grouped_matmul(xs, w, sizes, block_m=4, block_n=16, block_k=16, swiglu=True)[:10],
+  assert_close_rel(grouped_matmul(xs, w, sizes, block_m=4, block_n=16, block_k=16, swiglu=True)[:10],
          want, 1e-5)
   y = jnp.asarray(rng.normal(size=(10, 40)), jnp.float32).at[7].set(jnp.nan)
   position = jnp.asarray([[0, 3, -1], [9, -1, 7], [2, 1, 5]], jnp.int32)
   position = jnp.where(position == 7, -1, position)                 # row 7: NaN, never picked
   weights = jnp.asarray(rng.uniform(size=(3, 3)), jnp.float32)
   got = combine(y, position, weights, block_h=16)
-  _close(got, moe.xla_combine(y, position, weights), 1e-6)
+  assert_close_rel(got, moe.xla_combine(y, position, weights), 1e-6)
   assert np.isfinite(np.asarray(got)).all()
   with pytest.raises(ValueError, match=r"\[E, K, 2, N\]"):
     grouped_matmul(xs, w.reshape(4, 40, 48), sizes, swiglu=True)
@@ -178,7 +168,7 @@ def test_grouped_matmul_refuses_mismatched_operands():
 
 
 def test_config_parsing():
-  (top2, _), (sparse, _), (top1, _) = (_load(n) for n in FIXTURE_NAMES)
+  (top2, _), (sparse, _), (top1, _) = (load_fixture(n) for n in FIXTURE_NAMES)
   assert top2.config.moe_layers == (0, 1) and top2.config.norm_topk_prob
   assert sparse.config.moe_layers == (1, 3) and sparse.config.num_experts_per_tok == 3
   assert top1.config.moe_layers == (1, 2) and top1.config.num_experts_per_tok == 1
@@ -189,16 +179,16 @@ def test_config_parsing():
 
 @pytest.mark.parametrize("name", FIXTURE_NAMES)
 def test_forward_logits_match_hf(name):
-  target, ref = _load(name)
-  _close(dj.forward_logits(target, ref["input_ids"]), ref["logits"])
+  target, ref = load_fixture(name)
+  assert_close_rel(dj.forward_logits(target, ref["input_ids"]), ref["logits"])
 
 
 @pytest.mark.parametrize("name", FIXTURE_NAMES)
 def test_greedy_24_tokens_match_hf(name):
-  target, ref = _load(name)
+  target, ref = load_fixture(name)
   res = dj.generate(target, [ref["prompt"].tolist()], max_new_tokens=24, stop_token_ids=())
   assert res.tokens[0] == ref["greedy"].tolist()
-  _close(cached_decode_logits(target, ref["prompt"], ref["greedy"]), ref["decode_logits"])
+  assert_close_rel(cached_decode_logits(target, ref["prompt"], ref["greedy"]), ref["decode_logits"])
 
 
 def test_fused_expert_layout_loads_the_same(tmp_path):
@@ -214,14 +204,14 @@ def test_fused_expert_layout_loads_the_same(tmp_path):
     t[p + "down_proj"] = np.stack([t.pop(f"{p}{e}.down_proj.weight") for e in range(8)])
   write_safetensors(file, t)
   fused = dj.load_target(path, dtype="float32")
-  target, ref = _load("qwen3_moe_sparse_step")
+  target, ref = load_fixture("qwen3_moe_sparse_step")
   same = jax.tree_util.tree_map(np.array_equal, fused.params, target.params)
   assert all(jax.tree_util.tree_leaves(same))
-  _close(dj.forward_logits(fused, ref["input_ids"]), ref["logits"])
+  assert_close_rel(dj.forward_logits(fused, ref["input_ids"]), ref["logits"])
 
 
 def test_hf_export_round_trip(tmp_path):
-  target, ref = _load("qwen3_moe_top1")
+  target, ref = load_fixture("qwen3_moe_top1")
   out = hf_export.save_target_hf(str(tmp_path / "out"), target.params, target.config,
                                  dtype="float32")
   again = dj.load_target(out, dtype="float32")
@@ -238,7 +228,7 @@ def test_hf_export_round_trip(tmp_path):
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-  target, _ = _load("qwen3_moe_sparse_step")
+  target, _ = load_fixture("qwen3_moe_sparse_step")
   return (target, *drafter_and_ar(str(tmp_path_factory.mktemp("drafter")), target, PROMPTS, M,
                                   (1, 3)))
 
@@ -318,7 +308,7 @@ def test_shard_moe_equals_one_device():
   for shape in ({"dp": 2, "tp": 2, "ep": 2}, {"dp": 1, "tp": 1, "ep": 8}):
     mesh = sharding.make_mesh(shape)
     got = kernels.Kernels(mesh=mesh).moe(params, x, routing=moe.Routing(2, norm_topk_prob=True))
-    _close(got, want, 1e-5)
+    assert_close_rel(got, want, 1e-5)
 
 
 # --------------------------------------------------------------------------------------------

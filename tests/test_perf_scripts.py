@@ -80,6 +80,29 @@ def test_kimi_paper_extrapolates_the_slice_rows():
   assert 40 / 8 <= kimi_paper.busiest_share(40, 384, 8, draws=200) < 40
 
 
+def test_bench_kimi_share_small_rows(tmp_path):
+  """One GPU's Kimi K2.6 share on the tiny shape (XLA's kernels): AR and B=8 at two layer counts,
+  their fit to the whole model's 61 layers, and the 8-GPU deployment on paper with the winner."""
+  out = tmp_path / "share.jsonl"
+  _, text = run_script("bench_kimi_share", "--small", "--attention=xla", "--batches=1",
+                       f"--json_out={out}")
+  rows = read_rows(out)
+  assert [r["section"] for r in rows] == ["copy"] + ["share"] * 4 + ["fit"] * 2 + ["paper"] * 2
+  share = rows[1:5]
+  assert [(r["layers"], r["run"]) for r in share] == [(2, "ar"), (2, "B=8"), (3, "ar"),
+                                                      (3, "B=8")]
+  for r in share:  # 3 of the tiny shape's 24 experts held, top-8
+    assert 0 < r["experts_router"] <= 3 and 0 < r["experts_uniform"] <= 3 and r["step_ms"] > 0
+  assert share[1]["bytes_GB"] > share[0]["bytes_GB"] and share[3]["bytes_GB"] > share[1]["bytes_GB"]
+  fit, paper = rows[5:7], rows[7:]
+  assert all(r["layers"] == 61 and r["bytes_GB"] > share[3]["bytes_GB"] for r in fit)
+  ar, tree = paper
+  assert (ar["tau_lo"], tree["tau_lo"], tree["tau_assumed"]) == (1.0, 4.48, False)
+  assert tree["comm_ms"] > ar["comm_ms"] > 0 and tree["step_ms"] > tree["share_ms"]
+  assert abs(tree["tok_s_lo"] - 4.48 / tree["step_ms"] * 1e3) < 1e-6
+  assert "batch 1: " in text and " wins, " in text
+
+
 def test_profile_step_small_and_its_overrides():
   _, text = run_script("profile_step", "--small", "--runs=ar,8", "--steps=4", "--top=5",
                        "--qkv_splits=0", "--residual=num_warps=4")

@@ -1,6 +1,8 @@
 """DFlash drafters in z-lab's Hugging Face format: config.json (a Qwen3 layer stack plus
 `dflash_config`) checked against the target it drafts for, and its safetensors placed on the
-target's devices (the embedding and lm_head are the target's, never copied)."""
+target's devices (the embedding and lm_head are the target's, never copied). The layers' RoPE is
+the drafter's own config's (default, llama3 or yarn; e.g. the Kimi drafters' YaRN), not the
+target's."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from ddtree_jax.checkpoints.hf import (Target, place_sharded, parse_dtype, read_
 from ddtree_jax.checkpoints.safetensors_io import CheckpointError
 from ddtree_jax.checkpoints.tensor_reader import TensorReader
 from ddtree_jax.models import qwen3
-from ddtree_jax.models.config import ModelConfig
+from ddtree_jax.models.config import ModelConfig, decoder_config
 from ddtree_jax.models.drafter import (DrafterConfig, DrafterParams, default_target_layer_ids,
                                        quantize_int8, restrict_vocab)
 
@@ -41,6 +43,33 @@ class Drafter:
 
 _DFLASH_KNOWN_FIELDS = ("mask_token_id", "mask_token", "target_layer_ids", "block_size",
                         "num_target_layers")
+
+# Rope types of the drafter's own layers beside "default". The reference DFlashDraftModel builds
+# its RoPE from its own config (transformers' Qwen3RotaryEmbedding: ROPE_INIT_FUNCTIONS by
+# rope_type); linear, dynamic and longrope are refused by name.
+_DRAFTER_ROPE_TYPES = ("llama3", "yarn")
+
+
+def drafter_layers_config(cfg: dict[str, Any], source: str = "drafter") -> ModelConfig:
+  """The drafter's layer stack (Qwen3 layers) with its own RoPE, read as transformers 4.57
+  (z-lab's pinned version) reads a Qwen3Config's: rope_scaling or rope_parameters of type
+  default, llama3 or yarn; a yarn without original_max_position_embeddings falls back to
+  max_position_embeddings. What that RoPE has and we do not (a partial rotary factor, yarn's
+  untruncated correction range) is refused rather than ignored."""
+  rope = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+  rope_type = rope.get("rope_type", rope.get("type", "default"))
+  partial = cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor"))
+  if partial is not None and float(partial) != 1.0:
+    raise ValueError(f"{source}: unsupported DFlash variant: partial_rotary_factor != 1 in the "
+                     "drafter's RoPE")
+  if rope_type == "yarn" and rope.get("truncate") is False:
+    raise ValueError(f"{source}: unsupported DFlash variant: yarn rope with truncate=false "
+                     "(only the truncated correction range)")
+  if rope_type == "yarn" and rope.get("original_max_position_embeddings") is None:
+    rope["original_max_position_embeddings"] = cfg.get("max_position_embeddings", 32768)
+    cfg = {**cfg, "rope_scaling": rope, "rope_parameters": None}
+  return decoder_config({**cfg, "model_type": "qwen3"}, source, qk_norm=True,
+                        rope_types=_DRAFTER_ROPE_TYPES)
 
 
 def drafter_config_from_hf(cfg: dict[str, Any], target: ModelConfig, source: str = "drafter",
@@ -74,7 +103,7 @@ def drafter_config_from_hf(cfg: dict[str, Any], target: ModelConfig, source: str
     raise ValueError("unsupported DFlash variant: is_causal=true (DFlash blocks are non-causal)")
   if cfg.get("use_sliding_window") or any(t != "full_attention" for t in cfg.get("layer_types") or []):
     raise ValueError("unsupported DFlash variant: sliding-window drafter layers")
-  layers = qwen3.QWEN3.config({**cfg, "model_type": "qwen3"}, source)
+  layers = drafter_layers_config(cfg, source)
   if layers.hidden_size != target.hidden_size:
     raise ValueError(f"drafter hidden_size {layers.hidden_size} != target hidden_size "
                      f"{target.hidden_size}")

@@ -13,10 +13,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 from ddtree_jax import sharding
-from ddtree_jax.checkpoints import files
+from ddtree_jax.checkpoints import files, quantized
 from ddtree_jax.models import registry
 from ddtree_jax.models.config import ModelConfig
 from ddtree_jax.models.decoder import Params
@@ -27,10 +28,16 @@ from ddtree_jax.checkpoints.tensor_reader import SKIPPED_TENSORS, TensorReader
 def read_checkpoint_tensors(path: str) -> dict[str, np.ndarray]:
   """All tensors of an HF directory: model.safetensors or a sharded index whose shards lie
   inside the directory and hold every tensor the index names."""
+  return checkpoint_tensors(path)[0]
+
+
+def checkpoint_tensors(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+  """`read_checkpoint_tensors`, and the file that holds each tensor."""
   single = os.path.join(path, "model.safetensors")
   index = os.path.join(path, "model.safetensors.index.json")
   if os.path.exists(single):
-    return read_safetensors(single)
+    tensors = read_safetensors(single)
+    return tensors, dict.fromkeys(tensors, single)
   if not os.path.exists(index):
     raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json "
                             "(only safetensors checkpoints are loaded)")
@@ -39,7 +46,7 @@ def read_checkpoint_tensors(path: str) -> dict[str, np.ndarray]:
       isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
     raise CheckpointError(f"{index}: 'weight_map' must map tensor names to shard file names")
   root = os.path.realpath(path)
-  tensors, by_file = {}, {}
+  tensors, by_file, files = {}, {}, {}
   for name, file in weight_map.items():
     by_file.setdefault(file, []).append(name)
   for file, names in sorted(by_file.items()):
@@ -54,7 +61,8 @@ def read_checkpoint_tensors(path: str) -> dict[str, np.ndarray]:
     if missing:
       raise CheckpointError(f"{shard}: lacks tensors the index puts there: {missing[:5]}")
     tensors.update(part)
-  return tensors
+    files.update(dict.fromkeys(part, shard))
+  return tensors, files
 
 
 def read_json(file: str) -> dict[str, Any]:
@@ -80,17 +88,28 @@ def read_config(path: str) -> dict[str, Any]:
 FLOAT32_LEAVES = ("router", "bias")
 
 
+def _leaf_dtype(path, t, dtype):
+  """The device dtype of a host leaf: a quantized stack's words, fp8 values and scales keep the
+  checkpoint's dtype (`quant.Int4Experts`, `quant.Fp8Experts`); routers float32; the rest
+  `dtype`."""
+  stored = np.dtype(t.dtype)
+  if stored.kind in "iu" or stored == ml_dtypes.float8_e4m3fn or _key(path[-1]) == "scale":
+    return stored
+  return jnp.dtype(jnp.float32) if _key(path[-1]) in FLOAT32_LEAVES else dtype
+
+
 def place(host_tree, dtype, shardings=None):
   """Host tensors (numpy views / Stacked / Joined) -> device arrays of `dtype`.
 
   Without shardings each tensor goes whole to the default device. With a NamedSharding pytree
   every device receives only its own shard, read and converted from the memory map by
   `jax.make_array_from_callback`: no device (and no host buffer) ever holds a full copy of a
-  sharded tensor. A MoE router stays float32 (routing is computed in float32)."""
+  sharded tensor. A MoE router stays float32 (routing is computed in float32); quantized expert
+  stacks stay as stored (`_leaf_dtype`)."""
   dtype = jnp.dtype(dtype)
 
   def read(path, t, idx):
-    dt = jnp.dtype(jnp.float32) if _key(path[-1]) in FLOAT32_LEAVES else dtype
+    dt = _leaf_dtype(path, t, dtype)
     x = np.asarray(t[idx]).astype(dt)
     bad = x.size - int(np.isfinite(x).sum())
     if bad:
@@ -161,25 +180,6 @@ def place_sharded(host, dtype, mesh, rules):
   return place(host, dtype, sharding.shardings(host, mesh, rules))
 
 
-def fp8_block_size(raw: dict[str, Any], source: str) -> tuple[int, int] | None:
-  """The FP8 block size of config.json's `quantization_config` (DeepSeek-V3's format:
-  quant_method "fp8", e4m3, `weight_block_size`), None without one; other formats refused."""
-  q = raw.get("quantization_config")
-  if q is None:
-    return None
-  method = q.get("quant_method") if isinstance(q, dict) else None
-  block = q.get("weight_block_size") if isinstance(q, dict) else None
-  if method != "fp8" or q.get("fmt", "e4m3") != "e4m3":
-    raise ValueError(f"{source}: unsupported quantization_config quant_method={method!r} "
-                     f"fmt={q.get('fmt') if isinstance(q, dict) else None!r} (supported: "
-                     "block-quantised 'fp8' e4m3, DeepSeek-V3's format)")
-  if (not isinstance(block, list) or len(block) != 2
-      or not all(isinstance(b, int) and b > 0 for b in block)):
-    raise ValueError(f"{source}: fp8 quantization_config needs weight_block_size [rows, cols], "
-                     f"got {block!r}")
-  return block[0], block[1]
-
-
 def load_target_params(path: str, cfg: ModelConfig, dtype, mesh=None, rules=None,
                        fuse_qkv: bool = False, raw: dict[str, Any] | None = None) -> Params:
   """The target's weights on the device (or `mesh`); fuse_qkv (one device): `decoder.fuse_qkv`'s
@@ -190,7 +190,8 @@ def load_target_params(path: str, cfg: ModelConfig, dtype, mesh=None, rules=None
   raw = read_config(path) if raw is None else raw
   source = os.path.join(path, "config.json")
   family = registry.lookup(cfg.model_type, source)
-  r = TensorReader(read_checkpoint_tensors(path), path, fp8_block_size(raw, source))
+  tensors, where = checkpoint_tensors(path)
+  r = TensorReader(tensors, path, quantized.from_config(raw, source), where)
   host = family.params(r, cfg, raw, fuse_qkv)
   r.check_complete(skip=SKIPPED_TENSORS + tuple(family.skip(raw, cfg)),
                    hint=f"Does config.json (num_hidden_layers {cfg.num_layers}, "
@@ -199,8 +200,10 @@ def load_target_params(path: str, cfg: ModelConfig, dtype, mesh=None, rules=None
 
 
 def load_target(path: str, dtype="bfloat16", mesh=None, rules=None, fuse_qkv: bool = True) -> Target:
-  """Loads a Hugging Face Qwen3 (dense or MoE), Llama or DeepSeek-V3 / Kimi-K2 directory
-  (safetensors only; FP8 block-quantised weights dequantised to `dtype`).
+  """Loads a Hugging Face directory of a registered family (`registry.supported()`: Qwen3 dense
+  or MoE, Llama, DeepSeek-V3 / Kimi-K2, Kimi K2.5 / K2.6), safetensors only. Quantized routed
+  experts (int4 pack-quantized, block FP8) stay quantized on the device whatever `dtype`; other
+  quantized Linears are dequantised to `dtype` (`checkpoints/quantized.py`).
 
   With a `mesh` (sharding.make_mesh) every tensor goes straight from the memory map onto its
   shards, laid out by `rules` (default sharding.ShardingRules(): tensor parallel over "tp");

@@ -2,21 +2,24 @@
 what was read. Nothing is read from the memory map until `hf.place` slices a view, so a
 device on a mesh receives only its shard (for a MoE layer: only its experts).
 
-Which names a family reads lives in its module (models/qwen3.py, qwen3_moe.py, deepseek_v3.py);
-this reader knows the layouts: torch Linear [out, in] (-> [in, out]), lazy stacks and joins of
-tensors, and FP8 block-quantised tensors (`weight` in float8_e4m3fn with `weight_scale_inv` per
-block), dequantised on the host, tensor by tensor, in float32.
+Which names a family reads lives in its module (models/qwen3.py, qwen3_moe.py, deepseek_v3.py,
+kimi_k25.py); this reader knows the layouts: torch Linear [out, in] (-> [in, out]), lazy stacks
+and joins of tensors, and quantized Linears (`checkpoints/quantized.py`): a routed expert's
+kept quantized (`quantized_linear`, stacked by `stack`), any other one dequantised on the host,
+tensor by tensor, in float32.
 """
 
 from __future__ import annotations
 
+import copy
 import re
 
+import jax
 import numpy as np
 
-import ml_dtypes
-
+from ddtree_jax.checkpoints import quantized
 from ddtree_jax.checkpoints.safetensors_io import CheckpointError
+from ddtree_jax.models import quant
 
 
 def _full_index(idx, ndim: int) -> tuple:
@@ -32,6 +35,7 @@ class Stacked:
   def __init__(self, parts, axis: int):
     self.parts, self.axis = list(parts), axis
     self.shape = parts[0].shape[:axis] + (len(parts),) + parts[0].shape[axis:]
+    self.dtype = parts[0].dtype
 
   def __getitem__(self, idx):
     idx = _full_index(idx, len(self.shape))
@@ -51,6 +55,7 @@ class Joined:
       raise ValueError(f"Joined: parts {[p.shape for p in parts]} differ off axis {axis}")
     size = sum(p.shape[axis] for p in parts)
     self.shape = parts[0].shape[:axis] + (size,) + parts[0].shape[axis + 1:]
+    self.dtype = parts[0].dtype
 
   def __getitem__(self, idx):
     idx = _full_index(idx, len(self.shape))
@@ -82,49 +87,74 @@ class _Missing:
 SKIPPED_TENSORS = (re.compile(r"(^|\.)rotary_emb\.inv_freq$"),)
 
 
+def stack(parts, axis: int):
+  """`Stacked` of per-expert weights: host arrays, or quantized records of one type
+  (`TensorReader.quantized_linear`) stacked leaf by leaf."""
+  if not quant.is_quantized(parts[0]):
+    if any(quant.is_quantized(p) for p in parts):
+      raise CheckpointError("an expert's projections mix quantized and float weights")
+    return Stacked(parts, axis)
+  kinds = {type(p) for p in parts}
+  if len(kinds) > 1:
+    raise CheckpointError(f"an expert's projections mix formats {sorted(k.__name__ for k in kinds)}")
+  leaves = [jax.tree.leaves(p) for p in parts]
+  return jax.tree.unflatten(jax.tree.structure(parts[0]),
+                            [Stacked(list(ls), axis) for ls in zip(*leaves)])
+
+
 class TensorReader:
   """Fetches named tensors with shape checks as lazy host views in our [in, out] layouts
   (memory-mapped numpy views, `Stacked` or `Joined`); nothing is read until `place` slices them.
   It records what it reads: `check_complete` then refuses a checkpoint with missing tensors or
   tensors no one read (a config that does not match the file, a bias the model has no place for).
+  quantization: the checkpoint's format (`quantized.Quantization`); files: each tensor's file
+  (errors name it); prefix: prepended to every name asked for (`with_prefix`).
   """
 
   def __init__(self, tensors: dict[str, np.ndarray], source: str,
-               fp8_block: tuple[int, int] | None = None):
-    self.tensors, self.source, self.fp8_block = tensors, source, fp8_block
+               quantization: quantized.Quantization = quantized.NONE,
+               files: dict[str, str] | None = None):
+    self.tensors, self.source, self.quantization = tensors, source, quantization
+    self.files, self.prefix = files or {}, ""
     self.used, self.missing = set(), []
 
+  def with_prefix(self, prefix: str) -> TensorReader:
+    """This reader (the same record of what was read) with `prefix` before every name."""
+    view = copy.copy(self)
+    view.prefix = self.prefix + prefix
+    return view
+
+  def has(self, name: str) -> bool:
+    return self.prefix + name in self.tensors
+
+  def where(self, name: str) -> str:
+    """`name` and the file that holds it, for errors."""
+    return f"{self.files.get(name, self.source)}: tensor {name!r}"
+
   def raw(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    name = self.prefix + name
+    if name not in self.tensors and quantized.is_packed(self.tensors, name):
+      return quantized.host_int4(self, name, shape)
     if name not in self.tensors:
       self.missing.append(f"{name} {tuple(shape)}")
       return _Missing(shape)
     t = self.tensors[name]
     if tuple(t.shape) != tuple(shape):
-      raise CheckpointError(f"{self.source}: tensor {name!r} has shape {tuple(t.shape)}, "
-                            f"expected {tuple(shape)}")
+      raise CheckpointError(f"{self.where(name)} has shape {tuple(t.shape)}, expected "
+                            f"{tuple(shape)}")
     self.used.add(name)
-    return self._dequantized(name, t) if t.dtype == ml_dtypes.float8_e4m3fn else t
+    return quantized.host_fp8(self, name, t) if quantized.is_fp8(t) else t
 
-  def _dequantized(self, name: str, t: np.ndarray) -> np.ndarray:
-    """An FP8 [out, in] weight times its per-block `<name>_scale_inv` [ceil(out/bo),
-    ceil(in/bi)], in float32 (DeepSeek-V3's block quantisation)."""
-    scale_name = name + "_scale_inv"
-    if self.fp8_block is None:
-      raise CheckpointError(f"{self.source}: tensor {name!r} is float8 but config.json has no "
-                            "quantization_config with weight_block_size")
-    if t.ndim != 2 or scale_name not in self.tensors:
-      raise CheckpointError(f"{self.source}: float8 tensor {name!r} needs a 2-D weight and "
-                            f"{scale_name!r} (block-quantised FP8)")
-    bo, bi = self.fp8_block
-    want = (-(-t.shape[0] // bo), -(-t.shape[1] // bi))
-    scale = self.tensors[scale_name]
-    if tuple(scale.shape) != want:
-      raise CheckpointError(f"{self.source}: {scale_name!r} has shape {tuple(scale.shape)}, "
-                            f"expected {want} for {tuple(t.shape)} in {bo}x{bi} blocks")
-    self.used.add(scale_name)
-    full = np.repeat(np.repeat(np.asarray(scale, np.float32), bo, 0), bi, 1)
-    return np.asarray(t).astype(np.float32) * full[:t.shape[0], :t.shape[1]]
-
+  def quantized_linear(self, name: str, out_dim: int, in_dim: int):
+    """A routed expert's Linear `name` (…`.weight`) [in, out] as stored: a float view, or a
+    quantized record whose leaves lack the experts axis (`quant.Int4Experts` / `Fp8Experts`
+    leaves [K.., out]) for `stack` to stack."""
+    full = self.prefix + name
+    if quantized.is_packed(self.tensors, full):
+      return quantized.int4_views(self, full, out_dim, in_dim)
+    if full in self.tensors and quantized.is_fp8(self.tensors[full]):
+      return quantized.fp8_views(self, full, out_dim, in_dim)
+    return self.linear(name, out_dim, in_dim)
   def check_complete(self, skip=SKIPPED_TENSORS, hint: str = "") -> None:
     """Raises CheckpointError naming the missing tensors and those nothing read (less `skip`)."""
     unused = sorted(n for n in set(self.tensors) - self.used

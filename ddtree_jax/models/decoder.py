@@ -292,8 +292,11 @@ def causal_mask(lens, t: int):
   return (i[None, :, None] >= i[None, None, :]) & (i[None, None, :] < lens[:, None, None])
 
 
-def init_params(cfg: ModelConfig, key, dtype=jnp.bfloat16, std: float = 0.02) -> Params:
-  """Random weights (benchmarks and tests); norms near 1."""
+def init_params(cfg: ModelConfig, key, dtype=jnp.bfloat16, std: float = 0.02,
+                experts: str = "float", held_experts: int | None = None) -> Params:
+  """Random weights (benchmarks and tests); norms near 1; routed experts in `experts` format
+  ("float", "int4" or "fp8"), the first `held_experts` of them only when given
+  (`moe.init_params`)."""
   h, n, k, d, i = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
   keys = iter(jax.random.split(key, 8 * cfg.num_layers + 3))
   w = lambda *shape: random_weight(next(keys), shape, dtype, std)
@@ -306,7 +309,7 @@ def init_params(cfg: ModelConfig, key, dtype=jnp.bfloat16, std: float = 0.02) ->
     return dict(w_gate_up=w(h, 2, shared) if shared else None,
                 w_down=w(shared, h) if shared else None, moe=moe_lib.init_params(
         jax.random.fold_in(key, 1 << 20 | layer), h, cfg.num_experts, cfg.moe_intermediate_size,
-        dtype, std, bias=cfg.scoring_func == "sigmoid"))
+        dtype, std, bias=cfg.scoring_func == "sigmoid", experts=experts, held=held_experts))
 
   def attention(layer):
     if cfg.is_mla:

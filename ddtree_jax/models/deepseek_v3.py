@@ -121,16 +121,17 @@ def params(r: TensorReader, cfg: ModelConfig, raw: dict, fuse_qkv: bool = False)
   return qwen3.decoder_params(r, cfg, layer)
 
 
-def mtp_layers(raw: dict[str, Any], cfg: ModelConfig) -> tuple[re.Pattern, ...]:
+def mtp_layers(raw: dict[str, Any], cfg: ModelConfig, prefix: str = "") -> tuple[re.Pattern, ...]:
   """Skip patterns for DeepSeek's multi-token-prediction layers (num_nextn_predict_layers
-  layers after the last decoder layer): not part of the target's forward."""
+  layers after the last decoder layer; tensor names after `prefix`): not part of the target's
+  forward."""
   extra = raw.get("num_nextn_predict_layers") or 0
   if not extra:
     return ()
   logging.info("skipping %d multi-token-prediction layer(s) (num_nextn_predict_layers) at load",
                extra)
   ids = "|".join(str(cfg.num_layers + j) for j in range(extra))
-  return (re.compile(rf"^model\.layers\.({ids})\."),)
+  return (re.compile(rf"^{re.escape(prefix)}model\.layers\.({ids})\."),)
 
 
 def config(raw: dict[str, Any], source: str) -> ModelConfig:

@@ -5,7 +5,10 @@ hidden_norm, then in EVERY layer the layer's own k_proj/v_proj (+ k_norm, RoPE a
 position) give context K/V rows, kept in a per-layer cache that grows by the accepted tokens.
 Block: target embeddings of [bonus, MASK x (bs-1)] at positions start..start+bs-1, queries from the
 block only, non-causal over [context; block]. Output slot j (1..bs-1) is the distribution of the
-token AT position start+j: the drafter's final norm, then the target's lm_head.
+token AT position start+j: the drafter's final norm, then the target's lm_head. RoPE, for the
+context rows and the block rows alike, is the drafter's own (`DrafterConfig.layers`: its rope_type,
+inv_freq and YaRN attention factor on cos / sin), never the target's: a Kimi drafter's Qwen3
+layers use YaRN of their own beside the target's MLA rope.
 
 `quantize_int8` makes an int8 drafter (its matrices but o, its own int8 copy of the lm_head and its
 layers' k/v weights stacked for the context rows, run as int8 x int8 GEMMs by `dense`):
@@ -37,7 +40,7 @@ Array = jax.Array
 
 @dataclasses.dataclass(frozen=True)
 class DrafterConfig:
-  layers: ModelConfig             # shapes of the drafter's decoder layers (num_layers = depth)
+  layers: ModelConfig             # the drafter's decoder layers (num_layers = depth) and RoPE
   block_size: int
   mask_token_id: int
   target_layer_ids: tuple[int, ...]

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from ddtree_jax.models import quant
 from ddtree_jax.models.ops import einsum_weight, random_weight
 
 Array = jax.Array
@@ -34,18 +35,24 @@ Array = jax.Array
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class MoEParams:
-  """One layer's experts. E experts, H hidden, I = moe_intermediate_size."""
+  """One layer's experts. E experts, H hidden, I = moe_intermediate_size. The stacks are float
+arrays or kept quantized (`quant.Int4Experts`, `quant.Fp8Experts`: the same [E, K, out...]
+shape, dequantized inside the GEMM)."""
   router: Array            # [H, E], float32 (HF computes routing in float32)
   w_gate_up: Array         # [E, H, 2, I]  (gate, up)
   w_down: Array            # [E, I, H]
   bias: Array | None = None  # [E] float32: DeepSeek's e_score_correction_bias (selection only)
 
   def partition_specs(self, axes) -> MoEParams:
-    """Experts E over ep, their width I over tp; the router and bias replicated."""
-    e, _, _, i = self.w_gate_up.shape
+    """Experts E over ep, their width I over tp (a quantized stack's packed words, scale
+    groups and blocks along I must divide too); the router and bias replicated."""
+    e = self.w_gate_up.shape[0]
     ep = axes("experts", e, "num_experts")
-    ml = axes("mlp", i, "moe_intermediate_size")
-    return MoEParams(router=P(), w_gate_up=P(ep, None, None, ml), w_down=P(ep, ml, None),
+    ml = None
+    for size in quant.split_sizes(self.w_gate_up, 3) + quant.split_sizes(self.w_down, 1):
+      ml = axes("mlp", size, "moe_intermediate_size (or its packed words or scale groups)")
+    return MoEParams(router=P(), w_gate_up=quant.spec_like(self.w_gate_up, P(ep, None, None, ml)),
+                     w_down=quant.spec_like(self.w_down, P(ep, ml, None)),
                      bias=None if self.bias is None else P())
 
 
@@ -101,8 +108,8 @@ def _swiglu(gu):
 
 def reference(params: MoEParams, x, weights, experts):
   """Every expert on every row (E x the work), then each row's k outputs in rank order."""
-  gu = jnp.einsum("rh,ehsi->resi", x, params.w_gate_up)
-  y = jnp.einsum("rei,eih->reh", _swiglu(gu), params.w_down)          # [R, E, H]
+  gu = jnp.einsum("rh,ehsi->resi", x, quant.dequantize(params.w_gate_up, x.dtype))
+  y = jnp.einsum("rei,eih->reh", _swiglu(gu), quant.dequantize(params.w_down, x.dtype))
   here = experts < y.shape[1]
   picked = jnp.take_along_axis(y, jnp.where(here, experts, 0)[:, :, None], axis=1)  # [R, k, H]
   return _sum_ranks(jnp.where(here[:, :, None], picked, 0), weights)
@@ -128,7 +135,8 @@ def sort_pairs(experts, num_experts: int):
 def xla_gate_up(xs, w_gate_up, sizes):
   """xs [M, H] sorted pairs, w_gate_up [E, H, 2, I], sizes [E] -> silu(gate) * up [M, I]."""
   e, h, _, i = w_gate_up.shape
-  gu = jax.lax.ragged_dot(xs, w_gate_up.reshape(e, h, 2 * i), sizes)
+  w = quant.dequantize(w_gate_up, xs.dtype)
+  gu = jax.lax.ragged_dot(xs, w.reshape(e, h, 2 * i), sizes)
   return _swiglu(gu.reshape(-1, 2, i)).astype(xs.dtype)
 
 
@@ -139,13 +147,18 @@ def xla_combine(y, position, weights):
   return _sum_ranks(jnp.where((position >= 0)[:, :, None], picked, 0), weights)
 
 
+def xla_down(a, w_down, sizes):
+  """`lax.ragged_dot(a, w_down, sizes)` (a quantized stack dequantized whole first)."""
+  return jax.lax.ragged_dot(a, quant.dequantize(w_down, a.dtype), sizes)
+
+
 @dataclasses.dataclass(frozen=True)
 class ExpertOps:
   """The three stages of `grouped` over the sorted pairs (rows past sum(sizes) undefined):
   gate_up (xs [M, H], w_gate_up, sizes [E]) -> [M, I]; down (a [M, I], w_down, sizes) -> [M, H]
   (`lax.ragged_dot`'s contract); combine (y, position, weights) -> [R, H] as `xla_combine`."""
   gate_up: Callable = xla_gate_up
-  down: Callable = jax.lax.ragged_dot
+  down: Callable = xla_down
   combine: Callable = xla_combine
 
 
@@ -167,14 +180,16 @@ def xla_pair_gate_up(x, w_gate_up, experts):
   pair p = r * k + j [R*k, I], each pair's expert gathered (elsewhere pairs: zeros)."""
   e, k = w_gate_up.shape[0], experts.shape[1]
   flat = experts.reshape(-1)
-  gu = jnp.einsum("ph,phsi->psi", jnp.repeat(x, k, axis=0), w_gate_up[jnp.minimum(flat, e - 1)])
+  w = quant.dequantize(quant.take(w_gate_up, jnp.minimum(flat, e - 1)), x.dtype)
+  gu = jnp.einsum("ph,phsi->psi", jnp.repeat(x, k, axis=0), w)
   return jnp.where((flat < e)[:, None], _swiglu(gu), 0).astype(x.dtype)
 
 
 def xla_pair_down(a, w_down, experts):
   """a [R*k, I], w_down [E, I, H], experts [R, k] -> each pair's down projection [R*k, H]."""
   flat = experts.reshape(-1)
-  return jnp.einsum("pi,pih->ph", a, w_down[jnp.minimum(flat, w_down.shape[0] - 1)])
+  w = quant.dequantize(quant.take(w_down, jnp.minimum(flat, w_down.shape[0] - 1)), a.dtype)
+  return jnp.einsum("pi,pih->ph", a, w)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,13 +217,24 @@ def distinct_experts(experts, num_experts: int):
   return jnp.sum(hit.astype(jnp.int32))
 
 
+EXPERT_FORMATS = ("float", "int4", "fp8")
+
+
 def init_params(key, hidden: int, num_experts: int, intermediate: int, dtype,
-                std: float = 0.02, bias: bool = False) -> MoEParams:
-  """Random experts (benchmarks and tests); the router (and bias) in float32."""
+                std: float = 0.02, bias: bool = False, experts: str = "float",
+                held: int | None = None) -> MoEParams:
+  """Random experts (benchmarks and tests) in `experts` format: float (`dtype`), int4 or fp8
+  (drawn in the format: `quant.random_int4`, `quant.random_fp8`); the router (and bias) in
+  float32. held: the stacks hold only the first `held` of the num_experts the router picks
+  from (one device's share under expert parallelism: pairs for the others are elsewhere)."""
+  if experts not in EXPERT_FORMATS:
+    raise ValueError(f"experts={experts!r}: choose one of {EXPERT_FORMATS}")
   k1, k2, k3 = jax.random.split(key, 3)
-  w = lambda k, *shape: random_weight(k, shape, dtype, std)
+  w = {"float": lambda k, *shape: random_weight(k, shape, dtype, std),
+       "int4": lambda k, *shape: quant.random_int4(k, shape, std=std),
+       "fp8": lambda k, *shape: quant.random_fp8(k, shape, std=std)}[experts]
   return MoEParams(router=std * jax.random.normal(k1, (hidden, num_experts), jnp.float32),
-                   w_gate_up=w(k2, num_experts, hidden, 2, intermediate),
-                   w_down=w(k3, num_experts, intermediate, hidden),
+                   w_gate_up=w(k2, held or num_experts, hidden, 2, intermediate),
+                   w_down=w(k3, held or num_experts, intermediate, hidden),
                    bias=(0.1 * jax.random.normal(jax.random.fold_in(key, 4), (num_experts,),
                                                  jnp.float32) if bias else None))

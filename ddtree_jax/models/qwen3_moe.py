@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ddtree_jax.checkpoints.tensor_reader import Stacked, TensorReader
+from ddtree_jax.checkpoints.tensor_reader import TensorReader, stack
 from ddtree_jax.models import qwen3
 from ddtree_jax.models.config import ModelConfig, decoder_config, positive_int
 from ddtree_jax.models.decoder import Params
@@ -49,21 +49,22 @@ def experts(r: TensorReader, prefix: str, cfg: ModelConfig) -> MoEParams:
   """A MoE block's router [H, E] (and DeepSeek's selection bias [E]) and experts stacked
   [E, H, 2, I] / [E, I, H], from fused `experts.gate_up_proj` / `experts.down_proj` tensors when
   the checkpoint has them, else from the per-expert Linears (stacked lazily: a shard reads only
-  its experts)."""
+  its experts; quantized ones kept quantized, `quant.Int4Experts` / `quant.Fp8Experts`)."""
   h, e, i = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
   router = r.linear(prefix + "gate.weight", e, h)
   bias = (r.get(prefix + "gate.e_score_correction_bias", (e,))
           if cfg.scoring_func == "sigmoid" else None)
   x = prefix + "experts."
-  if x + "gate_up_proj" in r.tensors:
+  if r.has(x + "gate_up_proj"):
     gate_up = r.get(x + "gate_up_proj", (e, 2 * i, h),
                     lambda t: t.reshape(e, 2, i, h).transpose(0, 3, 1, 2))
     down = r.get(x + "down_proj", (e, h, i), lambda t: t.transpose(0, 2, 1))
     return MoEParams(router=router, w_gate_up=gate_up, w_down=down, bias=bias)
-  one = lambda j, name, out_dim, in_dim: r.linear(f"{x}{j}.{name}.weight", out_dim, in_dim)
-  gate_up = Stacked([Stacked([one(j, "gate_proj", i, h), one(j, "up_proj", i, h)], axis=1)
-                     for j in range(e)], axis=0)
-  down = Stacked([one(j, "down_proj", h, i) for j in range(e)], axis=0)
+  one = lambda j, name, out_dim, in_dim: r.quantized_linear(f"{x}{j}.{name}.weight", out_dim,
+                                                            in_dim)
+  gate_up = stack([stack([one(j, "gate_proj", i, h), one(j, "up_proj", i, h)], axis=1)
+                   for j in range(e)], axis=0)
+  down = stack([one(j, "down_proj", h, i) for j in range(e)], axis=0)
   return MoEParams(router=router, w_gate_up=gate_up, w_down=down, bias=bias)
 
 

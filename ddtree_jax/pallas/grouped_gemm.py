@@ -1,6 +1,7 @@
 """Pallas (Triton GPU) kernels of a mixture-of-experts layer over its (row, expert) pairs sorted
-by expert (`moe.grouped`, whose `ExpertOps` they fill: `expert_ops`), or pair by pair for a
-step of few pairs (`moe.pairs`, `pair_ops`: pair_matmul, one tile per pair, no sort).
+by expert (`moe.grouped`, whose `ExpertOps` they fill: `moe_ops.expert_ops`), or pair by pair
+for a step of few pairs (`moe.pairs`, `moe_ops.pair_ops`: pair_matmul, one tile per pair, no
+sort).
 
 grouped_matmul: `lax.ragged_dot`'s contract, lhs [M, K] whose rows come in consecutive groups
 (group_sizes [E], summing to M), rhs [E, K, N]; row r of group g gives lhs[r] @ rhs[g]. The rows
@@ -13,7 +14,8 @@ most min(M, ceil(M / block_m) + E) tiles, and programs past the last one exit. R
 sum(group_sizes) are not written. With swiglu the gate and up projections are one launch and
 the activation is applied to their float32 accumulators. Offsets into an operand past 2^32
 bytes are 64-bit (Pallas's Triton lowering picks them by the operand's size), so a Kimi-K2
-layer's 22 GB expert stack takes the same kernel.
+layer's 22 GB expert stack takes the same kernel. A quantized stack (`quant.Int4Experts`,
+`quant.Fp8Experts`) runs the same tiles in `quant_gemm`, dequantized in registers.
 
 combine: each token row's k pair outputs gathered from the sorted rows and summed with their
 router weights in rank order, one launch (XLA's form is a gather and 2k elementwise kernels).
@@ -28,8 +30,6 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-
-from ddtree_jax.models import moe
 
 
 def tiles(group_sizes, m: int, block_m: int):
@@ -194,44 +194,3 @@ def combine(y, position, weights, *, block_h: int = 256, interpret=None):
       interpret=interpret,
       name="moe_combine",
   )(*[position.T.astype(jnp.int32)] * k, *[weights.T.astype(jnp.float32)] * k, y)
-
-
-def expert_ops(tuning, blocks: tuple[int, int, int] | None = None):
-  """`moe.ExpertOps` on these kernels: the gate/up GEMM with its SwiGLU fused, the down GEMM,
-  the combine; tiles from `blocks` (block_m, block_n, block_k) or, when None, from
-  `tuning.moe_blocks` (`kernels.KernelTuning`) for the step's pairs. Where the rule picks
-  none the GEMMs are `lax.ragged_dot`'s."""
-
-  def launch(lhs, rhs):
-    b = blocks or tuning.moe_blocks(lhs.shape[0])
-    if b is None:
-      return None
-    return dict(block_m=b[0], block_n=b[1], block_k=b[2], interpret=tuning.interpret)
-
-  def gate_up(xs, w, sizes):
-    kw = launch(xs, w)
-    return (moe.xla_gate_up(xs, w, sizes) if kw is None
-            else grouped_matmul(xs, w, sizes, swiglu=True, **kw))
-
-  def down(a, w, sizes):
-    kw = launch(a, w)
-    return jax.lax.ragged_dot(a, w, sizes) if kw is None else grouped_matmul(a, w, sizes, **kw)
-
-  return moe.ExpertOps(gate_up=gate_up, down=down, combine=functools.partial(
-      combine, interpret=tuning.interpret))
-
-
-def pair_ops(tuning, blocks: tuple[int, int, int] | None = None):
-  """`moe.PairOps` on `pair_matmul`: gate/up with its SwiGLU fused, then down, one tile per
-  pair, tiles from `blocks` (block_m, block_n, block_k) or `tuning.moe_pair_blocks`."""
-  b = blocks or tuning.moe_pair_blocks
-  kw = dict(block_m=b[0], block_n=b[1], block_k=b[2], interpret=tuning.interpret)
-
-  def gate_up(x, w, experts):
-    return pair_matmul(x, w, experts.reshape(-1), rows_per_lhs=experts.shape[1], swiglu=True,
-                       **kw)
-
-  def down(a, w, experts):
-    return pair_matmul(a, w, experts.reshape(-1), **kw)
-
-  return moe.PairOps(gate_up=gate_up, down=down)

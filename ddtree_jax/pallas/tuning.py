@@ -38,6 +38,9 @@ class KernelTuning:
   # (`grouped_gemm.pair_matmul`: no sort, no tile list), tiles (block_m, block_n, block_k)
   moe_pair_max: int = 64
   moe_pair_blocks: tuple[int, int, int] = (16, 64, 256)
+  # quantized expert stacks (`pallas.quant_gemm`): the dequantized weights as the dot's left
+  # operand (swap: the tile computed transposed) or its right one, as the float kernels
+  moe_quant_swap: bool = False
   # latent attention (MLA) on the Pallas kernel (`pallas.latent_attention`; one device, power-of-
   # two latent and RoPE widths) for one token, or up to latent_tree_rows query rows (tokens x
   # heads) over a cache of up to latent_tree_capacity rows; XLA's form elsewhere (the limits lie

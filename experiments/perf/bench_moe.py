@@ -87,7 +87,7 @@ def emit(row):
 
 def experts_impl(name: str, tuning: KernelTuning):
   """An experts implementation (params, x, weights, chosen) -> [R, H] by --impls name."""
-  from ddtree_jax.pallas import grouped_gemm  # pylint: disable=import-outside-toplevel
+  from ddtree_jax.pallas import moe_ops  # pylint: disable=import-outside-toplevel
   kind, _, blocks = name.partition(":")
   blocks = tuple(int(v) for v in blocks.split("x")) if blocks else None
   if kind == "xla":
@@ -97,9 +97,9 @@ def experts_impl(name: str, tuning: KernelTuning):
   if kind == "dense":
     return moe.reference
   if kind == "pallas":
-    return functools.partial(moe.grouped, ops=grouped_gemm.expert_ops(tuning, blocks))
+    return functools.partial(moe.grouped, ops=moe_ops.expert_ops(tuning, blocks))
   if kind == "pairs":
-    return functools.partial(moe.pairs, ops=grouped_gemm.pair_ops(tuning, blocks))
+    return functools.partial(moe.pairs, ops=moe_ops.pair_ops(tuning, blocks))
   raise app.UsageError(f"--impls: unknown {name!r}")
 
 

@@ -89,28 +89,39 @@ def latent_tuning(text: str, interpret=None) -> KernelTuning:
 # Models
 
 
-SHAPES = ("qwen3-8b", "qwen3-32b", "qwen3-30b-a3b", "moonlight-16b-a3b", "kimi-k2-slice")
+SHAPES = ("qwen3-8b", "qwen3-32b", "qwen3-30b-a3b", "moonlight-16b-a3b", "kimi-k2-slice",
+          "kimi-k2.6")
+KIMI_LAYERS = 61  # Kimi K2 / K2.5 / K2.6: the first dense, the other 60 MoE
 
 
-def target_config(small: bool = False, shape: str = "qwen3-8b") -> ModelConfig:
+def target_config(small: bool = False, shape: str = "qwen3-8b",
+                  layers: int | None = None) -> ModelConfig:
   """Qwen3-8B's shape (36 layers, hidden 4096, 32 / 8 heads, MLP 12288, vocab 151936), Qwen3-32B's
   (64 layers, hidden 5120, 64 / 8 heads of 128, MLP 25600), or
   Qwen3-30B-A3B's (48 MoE layers, hidden 2048, 32 / 4 heads of 128, 128 experts of width 768,
   top-8, vocab 151936), Moonlight-16B-A3B's (DeepSeek-V3 architecture: 27 layers, hidden 2048,
   16 MLA heads, 64 + 2 shared experts of 1408, top-6, vocab 163840) or a Kimi-K2 slice (its
   first 4 layers: 1 dense, 3 of 384 + 1 shared experts of 2048, top-8; hidden 7168, 64 MLA
-  heads, q_lora 1536; 107 GB in bf16); small: a tiny one of the kind for CPU smoke runs."""
+  heads, q_lora 1536; 107 GB in bf16) or Kimi K2.6 whole (the same layers, 61 of them, the first
+  dense; `layers` cuts it to its first N: one GPU's share of it under 8-way expert parallelism
+  is random_target(..., experts="int4", held_experts=48)); small: a tiny one of the kind for CPU
+  smoke runs (24 experts of 32, hidden 64)."""
   if shape not in SHAPES:
     raise ValueError(f"unknown shape {shape!r}; choose one of {SHAPES}")
-  if shape == "kimi-k2-slice":  # Kimi-K2's layers (61 of them, ~2 TB) cut to what one H200 holds
+  if layers is not None and (shape != "kimi-k2.6" or layers < 2):
+    raise ValueError(f"target_config: layers={layers} takes shape kimi-k2.6 and at least 2 "
+                     "layers (the dense first layer and one MoE layer)")
+  if shape in ("kimi-k2-slice", "kimi-k2.6"):  # Kimi-K2's layers (~2 TB in bf16)
+    n = 4 if shape == "kimi-k2-slice" else layers or KIMI_LAYERS  # the slice: what one H200 holds
     return ModelConfig(model_type="deepseek_v3", qk_norm=False, scoring_func="sigmoid",
                        norm_topk_prob=True, rope_theta=5e4, max_position_embeddings=8192,
                        vocab_size=512 if small else 163840, hidden_size=64 if small else 7168,
-                       intermediate_size=128 if small else 18432, num_layers=4,
+                       intermediate_size=128 if small else 18432, num_layers=n,
                        num_heads=4 if small else 64, num_kv_heads=4 if small else 64,
                        head_dim=24 if small else 192, num_experts=24 if small else 384,
                        num_experts_per_tok=8, moe_intermediate_size=32 if small else 2048,
-                       moe_layers=(1, 2, 3), n_shared_experts=1, routed_scaling_factor=2.827,
+                       moe_layers=tuple(range(1, n)), n_shared_experts=1,
+                       routed_scaling_factor=2.827,
                        q_lora_rank=32 if small else 1536, kv_lora_rank=32 if small else 512,
                        qk_nope_head_dim=16 if small else 128, qk_rope_head_dim=8 if small else 64,
                        v_head_dim=16 if small else 128)
@@ -155,17 +166,25 @@ def target_config(small: bool = False, shape: str = "qwen3-8b") -> ModelConfig:
 
 
 def random_target(cfg: ModelConfig, key, mesh=None, fuse_qkv: bool = True, rules=None,
-                  dtype=jnp.bfloat16) -> decoder.Params:
+                  dtype=jnp.bfloat16, experts: str = "float",
+                  held_experts: int | None = None) -> decoder.Params:
   """Random target weights (bf16 unless dtype says) placed on `mesh` by `rules`, or on one
-  device fused (`decoder.fuse_qkv`) as `checkpoint.load_target` does unless fuse_qkv=False."""
-  params = sharding.shard_params(decoder.init_params(cfg, key, dtype), mesh, rules)
+  device fused (`decoder.fuse_qkv`) as `checkpoint.load_target` does unless fuse_qkv=False;
+  routed experts in `experts` format (float: dtype; int4, fp8), only the first `held_experts`
+  of them when given (`decoder.init_params`)."""
+  params = decoder.init_params(cfg, key, dtype, experts=experts, held_experts=held_experts)
+  params = sharding.shard_params(params, mesh, rules)
   return decoder.fuse_qkv(params) if mesh is None and fuse_qkv else params
 
 
-def drafter_config(tcfg: ModelConfig, small: bool = False) -> DrafterConfig:
-  """A 5-layer (2 when small) dense DFlash drafter of the target's width (its MLP of the
-  target's intermediate_size), block 16, tapping 5 (2) layers spread over the target's."""
-  lcfg = dataclasses.replace(tcfg, model_type="qwen3", num_layers=2 if small else 5,
+def drafter_config(tcfg: ModelConfig, small: bool = False, layers: int | None = None,
+                   kv_heads: int | None = None, taps: int | None = None) -> DrafterConfig:
+  """A 5-layer (2 when small; `layers` when given) dense DFlash drafter of the target's width
+  (its MLP of the target's intermediate_size; its kv heads the target's, or `kv_heads`), block
+  16, tapping 5 (2) layers spread over the target's, or `taps` layers spread evenly over all
+  of the target's (some tapped twice where it has fewer)."""
+  lcfg = dataclasses.replace(tcfg, model_type="qwen3", num_layers=layers or (2 if small else 5),
+                             num_kv_heads=kv_heads or tcfg.num_kv_heads,
                              num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0,
                              norm_topk_prob=False, moe_layers=(), scoring_func="softmax",
                              n_shared_experts=0, routed_scaling_factor=1.0, q_lora_rank=0,
@@ -175,6 +194,8 @@ def drafter_config(tcfg: ModelConfig, small: bool = False) -> DrafterConfig:
                              128 if tcfg.is_mla else tcfg.head_dim)
   n = tcfg.num_layers
   ids = (1, 2) if small else tuple(1 + i * (n - 4) // 4 for i in range(5))
+  if taps:
+    ids = tuple(i * (n - 1) // max(taps - 1, 1) for i in range(taps))
   return DrafterConfig(layers=lcfg, block_size=16, mask_token_id=tcfg.vocab_size - 3,
                        target_layer_ids=ids)
 
@@ -192,9 +213,10 @@ def random_drafter_params(tcfg: ModelConfig, dcfg: DrafterConfig, key, dtype=jnp
       hidden_norm=jnp.ones((h,), dtype), layers=layers, final_norm=jnp.ones((h,), dtype))
 
 
-def random_drafter(tcfg: ModelConfig, key, small: bool = False):
-  """(random bf16 DrafterParams, DrafterConfig) for a target of config tcfg."""
-  cfg = drafter_config(tcfg, small)
+def random_drafter(tcfg: ModelConfig, key, small: bool = False, **shape):
+  """(random bf16 DrafterParams, DrafterConfig) for a target of config tcfg (`shape`:
+  drafter_config's layers, kv_heads, taps)."""
+  cfg = drafter_config(tcfg, small, **shape)
   return random_drafter_params(tcfg, cfg, key), cfg
 
 
