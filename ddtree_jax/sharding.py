@@ -186,6 +186,7 @@ class _ZeroPadded:
   def __init__(self, base, axis: int, size: int):
     self.base, self.axis = base, axis
     self.shape = tuple(base.shape[:axis]) + (size,) + tuple(base.shape[axis + 1:])
+    self.dtype = base.dtype
 
   def __getitem__(self, idx):
     start, stop, _ = idx[self.axis].indices(self.shape[self.axis])

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import ddtree_jax as dj
+from ddtree_jax.checkpoints import export
 from ddtree_jax.models import decoder
 from ddtree_jax.checkpoints.dflash import drafter_layers_config
 from ddtree_jax.checkpoints.hf import read_checkpoint_tensors
@@ -282,3 +283,15 @@ def test_yarn_drafter_decodes_losslessly(target, yarn_loop, method, budget):
                     max_new_tokens=_LOOP_NEW, stop_token_ids=())
   assert res.tokens == ar
   assert_accepted(over, _LOOP_PROMPTS, res, method, budget)
+
+
+@pytest.mark.parametrize("name", ["yarn_attention_factor", "llama3"])
+def test_export_writes_the_drafters_own_rope(target, tmp_path, name):
+  """save_drafter_hf's directory loads back with the same RoPE (type and every scaling field)."""
+  path = write_drafter(str(tmp_path / "a"), target.config, rope=_ROPES[name])
+  drafter = dj.load_drafter(path, target)
+  again = dj.load_drafter(export.save_drafter_hf(str(tmp_path / "b"), drafter.params,
+                                                 drafter.config, target.config.num_layers,
+                                                 dtype="float32"), target)
+  assert again.config.layers.rope_type == drafter.config.layers.rope_type != "default"
+  assert again.config.layers.rope_scaling == drafter.config.layers.rope_scaling

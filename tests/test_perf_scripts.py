@@ -171,3 +171,15 @@ print("same layer")
   proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                         timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
   assert proc.returncode == 0 and "same layer" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+
+
+def test_bench_load_writes_a_sharded_int4_checkpoint_and_loads_it(tmp_path):
+  """The tiny kimi_k25 checkpoint in several shards (an index), loaded over an ep mesh of 8 CPU
+  devices: the row's bytes and the experts it held."""
+  ckpt, out = tmp_path / "ckpt", tmp_path / "rows.jsonl"
+  run_script("bench_load", "--small", f"--dir={ckpt}", "--shard_gb=0.00005", "--ep=8",
+             f"--json_out={out}")
+  (row,) = read_rows(out)
+  assert row["shards"] > 3 and os.path.exists(ckpt / "model.safetensors.index.json")
+  assert row["devices"] == 8 and row["experts"] == 8 and row["device_bytes"] > 0
+  assert row["disk_bytes"] > 0 and row["load_s"] > 0

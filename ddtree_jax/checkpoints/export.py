@@ -59,8 +59,17 @@ def _layer_tensors(prefix: str, layer: LayerParams, cfg: ModelConfig, dtype) -> 
   return t
 
 
+def _rope_scaling(cfg: ModelConfig) -> dict[str, Any]:
+  """config.json's `rope_scaling` for a scaled RoPE (llama3, yarn), {} for the default one."""
+  if cfg.rope_type == "default":
+    return {}
+  fields = {k: int(v) if k == "original_max_position_embeddings" else v
+            for k, v in cfg.rope_scaling}
+  return {"rope_scaling": {"rope_type": cfg.rope_type, **fields}}
+
+
 def _hf_fields(cfg: ModelConfig, dtype_name: str) -> dict[str, Any]:
-  return {
+  return {**_rope_scaling(cfg),
       "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
       "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
       "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
