@@ -110,7 +110,7 @@ def place(host_tree, dtype, shardings=None):
 
   def read(path, t, idx):
     dt = _leaf_dtype(path, t, dtype)
-    x = np.asarray(t[idx]).astype(dt)
+    x = np.asarray(t[idx]).astype(dt, copy=False)
     bad = x.size - int(np.isfinite(x).sum())
     if bad:
       raise CheckpointError(f"weights {jax.tree_util.keystr(path)}: {bad} non-finite values in "
