@@ -126,8 +126,9 @@ class Kernels:
       by_pair = functools.partial(moe_lib.pairs, ops=moe_ops.pair_ops(tuning))
 
       def experts(params, x, weights, chosen):
-        return (by_pair if chosen.size <= tuning.moe_pair_max else grouped)(
-            params, x, weights, chosen)
+        most = (tuning.moe_quant_pair_max if quant.is_quantized(params.w_gate_up)
+                else tuning.moe_pair_max)
+        return (by_pair if chosen.size <= most else grouped)(params, x, weights, chosen)
     if self.mesh is not None:
       return shard_moe(experts, self.mesh, self._rules)
 

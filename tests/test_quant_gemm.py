@@ -153,7 +153,7 @@ def test_moe_layer_on_quantized_experts(fmt):
                          w_down=_stack(fmt, (e, i, h), 9))
   x = jax.random.normal(jax.random.fold_in(key, 1), (9, h), F32)
   routing = moe.Routing(2, norm_topk_prob=True)
-  tuning = kernels.KernelTuning(moe_pair_max=4, moe_pair_blocks=(16, 16, 128),
+  tuning = kernels.KernelTuning(moe_quant_pair_max=4, moe_pair_blocks=(16, 16, 128),
                                 moe_launch=((1 << 30, 8, 16, 128),))
   layer = kernels.Kernels("pallas", tuning=tuning).moe
   for rows in (2, 9):  # 4 pairs pair by pair, 18 sorted

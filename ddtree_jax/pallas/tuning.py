@@ -37,6 +37,9 @@ class KernelTuning:
   # steps of at most moe_pair_max (row, expert) pairs run pair by pair, one tile each
   # (`grouped_gemm.pair_matmul`: no sort, no tile list), tiles (block_m, block_n, block_k)
   moe_pair_max: int = 64
+  # the same bound for quantized stacks, whose grouped kernel overtakes the pair kernel sooner
+  # (docs/findings/quantized-experts.md)
+  moe_quant_pair_max: int = 8
   moe_pair_blocks: tuple[int, int, int] = (16, 64, 256)
   # quantized expert stacks (`pallas.quant_gemm`): the dequantized weights as the dot's left
   # operand (swap: the tile computed transposed) or its right one, as the float kernels
