@@ -105,11 +105,6 @@ def take(w, idx):
   return w[idx]
 
 
-def nbytes(w) -> int:
-  """The stack's bytes on device (packed words and scales for a quantized one)."""
-  return sum(int(a.size) * a.dtype.itemsize for a in jax.tree.leaves(w))
-
-
 def split_sizes(w, axis: int) -> tuple[int, ...]:
   """Every leaf's size along `axis`: what a mesh axis that splits this dim of the float stack
   must divide (for a quantized stack also its packed words and its scale groups or blocks)."""

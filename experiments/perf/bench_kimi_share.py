@@ -62,7 +62,7 @@ import numpy as np
 
 from ddtree_jax import engine
 from ddtree_jax.kernels import Kernels
-from ddtree_jax.models import decoder, moe, quant
+from ddtree_jax.models import decoder, moe
 from ddtree_jax.spec import decode
 from experiments.perf import common_flags, harness
 
@@ -205,17 +205,17 @@ class Bytes:
 def byte_counts(tp, cfg, dp, dcfg, held: int) -> Bytes:
   """The share's bytes by part, from its arrays (tp: a target of >= 2 layers, the first dense)."""
   layer = tp.layers[1]
-  routed = quant.nbytes(layer.moe.w_gate_up) + quant.nbytes(layer.moe.w_down)
+  routed = decoder.param_bytes(layer.moe.w_gate_up) + decoder.param_bytes(layer.moe.w_down)
   moe_layer = decoder.param_bytes(layer) - routed
-  experts = sum(quant.nbytes(l.moe.w_gate_up) + quant.nbytes(l.moe.w_down)
+  experts = sum(decoder.param_bytes(l.moe.w_gate_up) + decoder.param_bytes(l.moe.w_down)
                 for l in tp.layers if l.moe is not None)
   other_layers = sum(decoder.param_bytes(l) for l in tp.layers[1:]) - experts
-  fixed = decoder.param_bytes(tp) - experts - quant.nbytes(tp.embed) - other_layers
+  fixed = decoder.param_bytes(tp) - experts - decoder.param_bytes(tp.embed) - other_layers
   heads, k_dim, v_dim = cfg.cache_layout
   dl = dcfg.layers
   return Bytes(fixed_target=fixed, moe_layer=moe_layer, expert=routed // held,
                embed_row=cfg.hidden_size * tp.embed.dtype.itemsize,
-               kv_row=heads * (k_dim + v_dim) * 2, lm_head=quant.nbytes(tp.lm_head),
+               kv_row=heads * (k_dim + v_dim) * 2, lm_head=decoder.param_bytes(tp.lm_head),
                drafter=decoder.param_bytes(dp),
                draft_kv_row=dl.num_layers * dl.num_kv_heads * 2 * dl.head_dim * 2,
                block=dcfg.block_size)
@@ -271,7 +271,7 @@ def main(_):
                                 taps=args.draft_taps)
   dp = jax.jit(lambda k: harness.random_drafter_params(cfg, dcfg, k))(jax.random.key(1))
   parts = byte_counts(tp, cfg, dp, dcfg, held)
-  whole = (parts.fixed_target + quant.nbytes(tp.embed)
+  whole = (parts.fixed_target + decoder.param_bytes(tp.embed)
            + (args.model_layers - 1) * (parts.moe_layer + held * parts.expert))
   print(f"devices {jax.devices()}  share at {counts[-1]} layers "
         f"{decoder.param_bytes(tp) / 1e9:.2f} GB ({args.experts_format} experts, {held} of "

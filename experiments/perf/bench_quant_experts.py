@@ -41,7 +41,7 @@ import numpy as np
 
 from ddtree_jax import engine
 from ddtree_jax.kernels import KernelTuning
-from ddtree_jax.models import moe, quant
+from ddtree_jax.models import decoder, moe, quant
 from ddtree_jax.pallas import grouped_gemm, moe_ops
 from experiments.perf import common_flags, harness
 
@@ -150,9 +150,9 @@ def cases(fmt: str, t: int, args):
 def run_format(fmt: str, args, key):
   """Every row of one format (its stacks alive only here: one format on the device at a time)."""
   wgu, wd = make_stacks(fmt, args, key)
-  expert_bytes = (quant.nbytes(wgu) + quant.nbytes(wd)) / args.experts
+  expert_bytes = (decoder.param_bytes(wgu) + decoder.param_bytes(wd)) / args.experts
   print(f"{fmt}: {expert_bytes / 1e6:.2f} MB per expert (weights and scales), stacks "
-        f"{(quant.nbytes(wgu) + quant.nbytes(wd)) / 1e9:.2f} GB", flush=True)
+        f"{(decoder.param_bytes(wgu) + decoder.param_bytes(wd)) / 1e9:.2f} GB", flush=True)
   k = args.top_k
   for t in harness.ints(args.tokens):
     experts = route(t, args, seed=t)
@@ -204,7 +204,7 @@ def sweep(args):
       ops = (("gate_up", x, wgu, dict(rows_per_lhs=args.top_k, swiglu=True)),
              ("down", a, wd, {}))
       for name, lhs, w, kw in ops:
-        floor_us = distinct * quant.nbytes(w) / args.experts / args.floor_bandwidth * 1e6
+        floor_us = distinct * decoder.param_bytes(w) / args.experts / args.floor_bandwidth * 1e6
         for variant in variants:
           bn, bk, warps, stages, swap, prefetch, asm = variant + (1,) * (7 - len(variant))
           label = "x".join(map(str, (bn, bk, warps, stages, swap, prefetch, asm)))
