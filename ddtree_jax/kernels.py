@@ -33,7 +33,7 @@ from ddtree_jax import sharding
 from ddtree_jax.models import attention as attention_lib
 from ddtree_jax.models import mla, moe as moe_lib, quant
 from ddtree_jax.models.ops import dense, embed_lookup, residual_norm
-from ddtree_jax.pallas import add_rms_norm, latent_attention, moe_ops, qk_norm_rope
+from ddtree_jax.pallas import add_rms_norm, latent_attention, moe_decode, moe_ops, qk_norm_rope
 from ddtree_jax.pallas.tree_attention import tree_attention
 from ddtree_jax.pallas.tuning import KernelTuning
 from ddtree_jax.spec import topk
@@ -115,17 +115,37 @@ class Kernels:
   @functools.cached_property
   def moe(self) -> Callable:
     """params, x [R, H], *, routing (`moe.Routing`) -> [R, H]: the router and the dropless
-    mixture of experts; on Pallas a step of few pairs pair by pair (`moe.pairs`), others over
-    the sorted pairs (`moe.grouped`). On a mesh per shard: each device runs its experts (and its
-    slice of their width) for every row, and one psum adds the shards."""
+    mixture of experts. On Pallas a step of few pairs runs the decode kernels (top-k, experts
+    and combine in two launches: `pallas.moe_decode`), others the expert GEMMs over the sorted
+    pairs (`moe.grouped`), with the pair kernels (`moe.pairs`) between where the tuning says. On
+    a mesh per shard: each device runs its experts (and its slice of their width) for every
+    row, and one psum adds the shards."""
     if self.attention != "pallas":
-      experts = moe_lib.grouped
+      experts = lambda params, x, weights, chosen, routing: moe_lib.grouped(params, x, weights,
+                                                                             chosen)
+      decode = lambda params, x, routing, weights=None, chosen=None: None
     else:
       tuning = self.tuning
       grouped = functools.partial(moe_lib.grouped, ops=moe_ops.expert_ops(tuning))
       by_pair = functools.partial(moe_lib.pairs, ops=moe_ops.pair_ops(tuning))
 
-      def experts(params, x, weights, chosen):
+      def decode(params, x, routing, weights=None, chosen=None):
+        """`moe_decode.moe_decode` at the tuning's launch where it takes the step, else None."""
+        quantized = quant.is_quantized(params.w_gate_up)
+        most = tuning.moe_decode_quant_max if quantized else tuning.moe_decode_max
+        if x.shape[0] * routing.top_k > most or not moe_decode.supported(params):
+          return None
+        gate_up, block_k, warps = (tuning.moe_decode_quant_launch if quantized
+                                   else tuning.moe_decode_launch)
+        return moe_decode.moe_decode(params, x, routing, weights, chosen,
+                                     gate_up_block=gate_up, block_k=block_k, num_warps=warps,
+                                     down_blocks=tuning.moe_pair_blocks,
+                                     swap=tuning.moe_quant_swap, interpret=tuning.interpret)
+
+      def experts(params, x, weights, chosen, routing):
+        y = decode(params, x, routing, weights, chosen)
+        if y is not None:
+          return y
         most = (tuning.moe_quant_pair_max if quant.is_quantized(params.w_gate_up)
                 else tuning.moe_pair_max)
         return (by_pair if chosen.size <= most else grouped)(params, x, weights, chosen)
@@ -133,8 +153,11 @@ class Kernels:
       return shard_moe(experts, self.mesh, self._rules)
 
     def mixture(params, x, *, routing):
+      y = decode(params, x, routing)  # (routed inside the kernels)
+      if y is not None:
+        return y
       weights, chosen = moe_lib.route(params, x, routing)
-      return experts(params, x, weights, chosen)
+      return experts(params, x, weights, chosen, routing)
     return mixture
 
   @functools.cached_property
@@ -243,10 +266,11 @@ def shard_qk_norm_rope(qk_fn: Callable, mesh, rules=None) -> Callable:
 
 
 def shard_moe(experts: Callable, mesh, rules=None) -> Callable:
-  """A MoE layer per shard: experts [E, ...] split over rules.experts and their width I over
-  rules.mlp (where those divide); rows and the router replicated (rows over dp when it
-  divides). Each device routes every row (the same choice everywhere), runs the pairs that fall
-  on its experts (the others get weight 0) and one psum adds the shards' outputs."""
+  """A MoE layer per shard (experts: (params, x, weights, chosen, routing) -> [R, H]): experts
+  [E, ...] split over rules.experts and their width I over rules.mlp (where those divide);
+  rows and the router replicated (rows over dp when it divides). Each device routes every row
+  (the same choice everywhere), runs the pairs that fall on its experts (the others are
+  elsewhere) and one psum adds the shards' outputs."""
   rules = _rules_or_default(rules)
 
   def wrapped(params, x, *, routing):
@@ -267,7 +291,7 @@ def shard_moe(experts: Callable, mesh, rules=None) -> Callable:
         first = jax.lax.axis_index(ep) * e_loc
         mine = (chosen >= first) & (chosen < first + e_loc)
         chosen = jnp.where(mine, chosen - first, e_loc)
-      y = experts(moe_lib.MoEParams(router, gate_up, down), x, weights, chosen)
+      y = experts(moe_lib.MoEParams(router, gate_up, down), x, weights, chosen, routing)
       return jax.lax.psum(y, summed) if summed else y
 
     return jax.shard_map(local, mesh=mesh, check_vma=False,

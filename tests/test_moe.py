@@ -102,12 +102,12 @@ def test_pair_matmul_rows_and_elsewhere_pairs():
 
 
 def test_pallas_moe_layer_runs_few_pairs_pair_by_pair():
-  """Kernels("pallas").moe: decode rows (pairs <= moe_pair_max) pair by pair, verify rows
-  over the sorted pairs; both equal the reference."""
+  """Kernels("pallas").moe with the decode kernel off: decode rows (pairs <= moe_pair_max) pair
+  by pair, verify rows over the sorted pairs; both equal the reference."""
   params, x, _, _ = _experts(r=9)
   routing = moe.Routing(3, norm_topk_prob=True)
   layer = kernels.Kernels("pallas", tuning=kernels.KernelTuning(
-      moe_pair_max=6, moe_pair_blocks=(16, 16, 16))).moe
+      moe_decode_max=0, moe_pair_max=6, moe_pair_blocks=(16, 16, 16))).moe
   for rows in (1, 2, 9):  # 3 and 6 pairs by pair, 27 sorted
     w, ex = moe.route(params, x[:rows], routing)
     assert_close_rel(layer(params, x[:rows], routing=routing), moe.reference(params, x[:rows], w, ex), 1e-5)

@@ -143,9 +143,10 @@ def test_pair_matmul_rows_and_elsewhere_pairs(fmt, dtype, swap):
 
 @pytest.mark.parametrize("fmt", ["int4", "fp8"])
 def test_moe_layer_on_quantized_experts(fmt):
-  """Kernels("pallas").moe over quantized stacks: a decode step pair by pair and a larger one
-  over the sorted pairs (`moe_ops.pair_ops` / `expert_ops` dispatch to quant_gemm), both
-  equal to the reference on the dequantized experts, elsewhere pairs adding nothing."""
+  """Kernels("pallas").moe over quantized stacks, the decode kernel off (test_moe_decode.py has
+  it): a decode step pair by pair and a larger one over the sorted pairs (`moe_ops.pair_ops` /
+  `expert_ops` dispatch to quant_gemm), both equal to the reference on the dequantized experts,
+  elsewhere pairs adding nothing."""
   key = jax.random.key(7)
   h, e, i = 160, 6, 64
   params = moe.init_params(key, h, e, i, F32, std=0.3)
@@ -153,7 +154,8 @@ def test_moe_layer_on_quantized_experts(fmt):
                          w_down=_stack(fmt, (e, i, h), 9))
   x = jax.random.normal(jax.random.fold_in(key, 1), (9, h), F32)
   routing = moe.Routing(2, norm_topk_prob=True)
-  tuning = kernels.KernelTuning(moe_quant_pair_max=4, moe_pair_blocks=(16, 16, 128),
+  tuning = kernels.KernelTuning(moe_decode_quant_max=0, moe_quant_pair_max=4,
+                                moe_pair_blocks=(16, 16, 128),
                                 moe_launch=((1 << 30, 8, 16, 128),))
   layer = kernels.Kernels("pallas", tuning=tuning).moe
   for rows in (2, 9):  # 4 pairs pair by pair, 18 sorted

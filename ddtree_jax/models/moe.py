@@ -5,9 +5,11 @@ of SwiGLU experts. DeepSeek's shared experts are a dense MLP beside it (`decoder
 Every implementation has the contract `(params, x [R, H], weights [R, k], experts [R, k]) ->
 [R, H]`: each row's output is sum_j weights[r, j] * expert_{experts[r, j]}(x[r]), summed in rank
 order j = 0..k-1; an expert id E (one past the last) means "held elsewhere" and adds nothing
-(expert parallelism: a shard's pairs for other shards' experts). No capacity factor: every (token, expert) pair is computed, so no token is
-ever dropped (a dropped token would change the output against AR). A row's output depends on
-its own routing alone, never on which other rows share the batch.
+(expert parallelism: a shard's pairs for other shards' experts). No capacity factor: every
+(token, expert) pair is computed, so no token is ever dropped (a dropped token would change the
+output against AR). A row's output depends on its own routing alone, never on which other rows
+share the batch. The router is `router_logits` then `select` (`route`); on Pallas at decode rows
+the selection runs inside the first expert kernel (`pallas.moe_decode`).
 
   reference  every expert on every row, then the routing weights pick (tests; E x the work)
   grouped    the (row, expert) pairs sorted by expert, gate/up and down GEMMs over the groups,
@@ -73,17 +75,27 @@ class Routing:
       raise ValueError(f"Routing.scoring must be 'softmax' or 'sigmoid', got {self.scoring!r}")
 
 
+def router_logits(params: MoEParams, x):
+  """The router's logits of x [R, H] in float32: [R, E]."""
+  return einsum_weight("rh,he->re", x.astype(jnp.float32), params.router.astype(jnp.float32),
+                       precision=jax.lax.Precision.HIGHEST)  # (one row: a GEMM, not mul + reduce)
+
+
 def route(params: MoEParams, x, routing: Routing):
   """Router of x [R, H] in float32: the top_k experts (ties to the lower expert id) and their
   weights, renormalised over the chosen ones when norm_topk_prob, times routing.scaling.
   Returns (weights [R, k] in x's dtype, experts [R, k] int32)."""
-  logits = einsum_weight("rh,he->re", x.astype(jnp.float32), params.router.astype(jnp.float32),
-                         precision=jax.lax.Precision.HIGHEST)  # (one row: a GEMM, not mul + reduce)
+  return select(router_logits(params, x), params.bias, routing, x.dtype)
+
+
+def select(logits, bias, routing: Routing, dtype):
+  """`route` from the router's logits [R, E] float32 (bias [E] or None): (weights [R, k] in
+  dtype, experts [R, k] int32)."""
   if routing.scoring == "softmax":
     scores = choice = jax.nn.softmax(logits, axis=-1)
   else:
     scores = jax.nn.sigmoid(logits)
-    choice = scores if params.bias is None else scores + params.bias.astype(jnp.float32)
+    choice = scores if bias is None else scores + bias.astype(jnp.float32)
   if routing.n_group > 1:
     r, e = choice.shape
     grouped_choice = choice.reshape(r, routing.n_group, e // routing.n_group)
@@ -98,7 +110,7 @@ def route(params: MoEParams, x, routing: Routing):
     weights = weights / (denominator + 1e-20 if routing.scoring == "sigmoid" else denominator)
   if routing.scaling != 1.0:
     weights = weights * routing.scaling
-  return weights.astype(x.dtype), experts.astype(jnp.int32)
+  return weights.astype(dtype), experts.astype(jnp.int32)
 
 
 def _swiglu(gu):
@@ -205,10 +217,16 @@ def pairs(params: MoEParams, x, weights, experts, ops: PairOps = PairOps()):
   """Pair by pair through `ops`, no sort, then each row's k pairs summed in rank order. An
   expert two rows choose is read twice: for steps of few pairs (a decode step; the Pallas
   kernels: `pallas.grouped_gemm.pair_ops`)."""
-  (r, k), e = experts.shape, params.w_gate_up.shape[0]
   y = ops.down(ops.gate_up(x, params.w_gate_up, experts), params.w_down, experts)
-  y = jnp.where((experts < e)[:, :, None], y.reshape(r, k, -1).astype(jnp.float32), 0)
-  return _sum_ranks(y, weights.astype(jnp.float32)).astype(x.dtype)
+  return sum_pairs(y, weights, experts, params.w_gate_up.shape[0]).astype(x.dtype)
+
+
+def sum_pairs(y, weights, experts, num_experts: int):
+  """Pair outputs y [R*k, H] (pair p = r * k + j; rows of elsewhere pairs, id num_experts,
+  ignored) summed per row in rank order with weights [R, k] -> [R, H] float32."""
+  r, k = experts.shape
+  y = jnp.where((experts < num_experts)[:, :, None], y.reshape(r, k, -1).astype(jnp.float32), 0)
+  return _sum_ranks(y, weights.astype(jnp.float32))
 
 
 def distinct_experts(experts, num_experts: int):

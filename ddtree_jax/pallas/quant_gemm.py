@@ -75,7 +75,7 @@ def _pow2_at_most(n: int) -> int:
   return 1 << (max(n, 1).bit_length() - 1)
 
 
-class _Tile:
+class Tile:
   """A tile's orientation. Plain: the dot is x [block_m, k] @ w [k, block_n] -> [block_m,
   block_n]. swap: w^T [block_n, k] @ x^T [k, block_m] -> [block_n, block_m], the dequantized
   weights the dot's left operand (the one Triton's wgmma can take from registers) and the few
@@ -144,7 +144,7 @@ def _int4_plane_asm(packed, scale, j: int):
   return out
 
 
-def _int4_step(refs, g, tile, halves, *, block_k, k_dim, group_words, asm, **_):
+def int4_step(refs, g, tile, halves, *, block_k, k_dim, group_words, asm, **_):
   """The int4 K step as (load, compute): block_k packed words and their scales per output half,
   then 8 nibble-plane dots per half (asm: each plane dequantized by `_int4_plane_asm`)."""
   x_ref, w_ref, s_ref = refs
@@ -180,7 +180,7 @@ def _int4_step(refs, g, tile, halves, *, block_k, k_dim, group_words, asm, **_):
   return load, compute
 
 
-def _fp8_step(refs, g, tile, halves, *, n_dim, block_k, subs, k_dim, scale_block, scale_cols,
+def fp8_step(refs, g, tile, halves, *, n_dim, block_k, subs, k_dim, scale_block, scale_cols,
               **_):
   """The fp8 K step as (load, compute): `subs` e4m3 tiles of block_k inputs (each in one scale
   row) and their column scales per output half, then a dot per tile scaled per column."""
@@ -237,7 +237,7 @@ def _kernel(*refs, step_fn, block_m, block_n, k_steps, n_dim, swiglu, pair_div, 
     r0, o0 = (t // pair_div, t) if pair_div else (row0_ref[()], out0_ref[()])
     row_ok = jnp.arange(block_m) < rows
     cols = n0 + jnp.arange(block_n)
-    tile = _Tile(swap, r0 + jnp.arange(block_m), row_ok, n0, cols, cols < n_dim)
+    tile = Tile(swap, r0 + jnp.arange(block_m), row_ok, n0, cols, cols < n_dim)
     # swiglu: columns [0, N) of the stack are the gate, [N, 2N) the up projection
     halves = (0, n_dim) if swiglu else (0,)
     load, compute = step_fn(ops, g, tile, halves, n_dim=n_dim, **meta)
@@ -260,7 +260,7 @@ def _kernel(*refs, step_fn, block_m, block_n, k_steps, n_dim, swiglu, pair_div, 
     plgpu.store(o_ref.at[r, c], out.astype(o_ref.dtype), mask=mr & mc)
 
 
-def _operands(lhs, rhs, swiglu: bool, block_k: int, asm: bool, name: str):
+def operands(lhs, rhs, swiglu: bool, block_k: int, asm: bool, name: str):
   """(weights [E, K', N'], scales [E, ., N''], k_steps, n_dim, step_fn, its static meta): the
   stack flattened to 2-D per expert (gate | up side by side with swiglu), shapes checked."""
   if not supported(rhs):
@@ -290,7 +290,7 @@ def _operands(lhs, rhs, swiglu: bool, block_k: int, asm: bool, name: str):
     # (the PTX form: bfloat16 activations on the GPU, bfloat16 scales)
     asm = asm and lhs.dtype == jnp.bfloat16 and rhs.scale.dtype == jnp.bfloat16
     meta = dict(block_k=words, k_dim=k_words, group_words=gs // NIBBLES, asm=asm)
-    return (flat(rhs.packed), flat(rhs.scale), -(-k_words // words), n_dim, _int4_step, meta)
+    return (flat(rhs.packed), flat(rhs.scale), -(-k_words // words), n_dim, int4_step, meta)
   bk, bn = rhs.block
   step_k = min(_pow2_at_most(block_k), bk & -bk)  # a power of two dividing bk
   subs = max(1, _pow2_at_most(block_k) // step_k)  # tiles per step: block_k inputs in all
@@ -305,7 +305,7 @@ def _operands(lhs, rhs, swiglu: bool, block_k: int, asm: bool, name: str):
   meta = dict(block_k=step_k, subs=subs, k_dim=shape[1], scale_block=(bk, bn),
               scale_cols=scale_cols)
   return (flat(rhs.q), flat(rhs.scale).astype(jnp.float32), -(-shape[1] // (step_k * subs)),
-          n_dim, _fp8_step, meta)
+          n_dim, fp8_step, meta)
 
 
 def _launch(group, rows, lhs, rhs, m_out, *, row0=None, out0=None, pair_div=0, block_m,
@@ -317,7 +317,7 @@ def _launch(group, rows, lhs, rhs, m_out, *, row0=None, out0=None, pair_div=0, b
     interpret = jax.default_backend() == "cpu"
   if num_stages is None:
     num_stages = DEFAULT_STAGES[type(rhs)]
-  w, s, k_steps, n_dim, step_fn, meta = _operands(lhs, rhs, swiglu, block_k,
+  w, s, k_steps, n_dim, step_fn, meta = operands(lhs, rhs, swiglu, block_k,
                                                   asm and not interpret, name)
   per_tile = (group, rows) if pair_div else (group, row0, rows, out0)
   scalar = pl.BlockSpec((None,), lambda t, n: (t,))

@@ -41,6 +41,15 @@ class KernelTuning:
   # (docs/findings/quantized-experts.md)
   moe_quant_pair_max: int = 8
   moe_pair_blocks: tuple[int, int, int] = (16, 64, 256)
+  # steps of at most moe_decode_max (row, expert) pairs (moe_decode_quant_max for quantized
+  # stacks) run `pallas.moe_decode`: the top-k inside the gate/up pair kernel, whose programs
+  # are (I columns, block_k, warps) as moe_decode_launch (float stacks) or
+  # moe_decode_quant_launch, then the down pair kernel at moe_pair_blocks (a max of 0: XLA's
+  # routing, then the pair kernels)
+  moe_decode_max: int = 64
+  moe_decode_quant_max: int = 8
+  moe_decode_launch: tuple[int, int, int] = (64, 128, 4)
+  moe_decode_quant_launch: tuple[int, int, int] = (64, 256, 4)
   # quantized expert stacks (`pallas.quant_gemm`): the dequantized weights as the dot's left
   # operand (swap: the tile computed transposed) or its right one, as the float kernels
   moe_quant_swap: bool = False

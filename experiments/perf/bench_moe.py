@@ -43,6 +43,7 @@ from ddtree_jax.spec import decode
 from ddtree_jax.models import decoder
 from ddtree_jax.models import moe
 from ddtree_jax.kernels import KernelTuning, Kernels
+from ddtree_jax.pallas import moe_decode, moe_ops
 from experiments.perf import common_flags, harness
 
 common_flags.define("small", "prefix", "repeats", "compile_threads", "floor_bandwidth",
@@ -60,8 +61,13 @@ flags.DEFINE_string("tokens", "1,17,65,2048", "experts section: token rows T")
 flags.DEFINE_string("impls", "xla,pallas:16x64x128,pallas:16x128x64,pallas:64x128x64",
                     "experts section: xla (ragged_dot), pallas (KernelTuning's rule), "
                     "pallas:BMxBNxBK (fixed tiles), pairs (pair by pair, one tile each), "
-                    "pairs:BMxBNxBK, xla_pairs (XLA's pair form), dense (every expert; T <= 65 "
-                    "only)")
+                    "pairs:BMxBNxBK, xla_pairs (XLA's pair form), decode (the decode kernels, "
+                    "routed inside the gate/up kernel: KernelTuning.moe_decode_launch), "
+                    "decode:GUxBKxWARPS, "
+                    "dense (every expert; T <= 65 only)")
+flags.DEFINE_string("moe_decode", "default", "loop section: the MoE decode kernels, each of "
+                    "this comma list in turn: default (KernelTuning's), off (the pair kernels "
+                    "instead), or a launch GUxBKxWARPS")
 flags.DEFINE_string("verify_tokens", "1,9,17,33,65", "verify section: tokens T (batch 1)")
 flags.DEFINE_string("verify_layers", "", "verify section: also the target cut to its first N "
                     "layers, for each N of this comma list ('' = all layers only)")
@@ -85,22 +91,40 @@ def emit(row):
       f.write(json.dumps(row) + "\n")
 
 
-def experts_impl(name: str, tuning: KernelTuning):
-  """An experts implementation (params, x, weights, chosen) -> [R, H] by --impls name."""
-  from ddtree_jax.pallas import moe_ops  # pylint: disable=import-outside-toplevel
+def experts_impl(name: str, tuning: KernelTuning, routing: moe.Routing):
+  """A MoE layer (params, x) -> [R, H], router included, by --impls name."""
   kind, _, blocks = name.partition(":")
   blocks = tuple(int(v) for v in blocks.split("x")) if blocks else None
+  if kind == "decode":
+    gate_up, block_k, warps = blocks or tuning.moe_decode_launch
+    return lambda p, x: moe_decode.moe_decode(p, x, routing, gate_up_block=gate_up,
+                                              block_k=block_k, num_warps=warps,
+                                              down_blocks=tuning.moe_pair_blocks)
   if kind == "xla":
-    return moe.grouped
-  if kind == "xla_pairs":  # each pair's expert gathered (a copy per pair)
-    return moe.pairs
-  if kind == "dense":
-    return moe.reference
-  if kind == "pallas":
-    return functools.partial(moe.grouped, ops=moe_ops.expert_ops(tuning, blocks))
-  if kind == "pairs":
-    return functools.partial(moe.pairs, ops=moe_ops.pair_ops(tuning, blocks))
-  raise app.UsageError(f"--impls: unknown {name!r}")
+    fn = moe.grouped
+  elif kind == "xla_pairs":  # each pair's expert gathered (a copy per pair)
+    fn = moe.pairs
+  elif kind == "dense":
+    fn = moe.reference
+  elif kind == "pallas":
+    fn = functools.partial(moe.grouped, ops=moe_ops.expert_ops(tuning, blocks))
+  elif kind == "pairs":
+    fn = functools.partial(moe.pairs, ops=moe_ops.pair_ops(tuning, blocks))
+  else:
+    raise app.UsageError(f"--impls: unknown {name!r}")
+  return lambda p, x: fn(p, x, *moe.route(p, x, routing))
+
+
+def decode_variant(name: str, tuning: KernelTuning) -> KernelTuning:
+  """--moe_decode's variant of the tuning."""
+  if name == "default":
+    return tuning
+  if name == "off":
+    return dataclasses.replace(tuning, moe_decode_max=0, moe_decode_quant_max=0)
+  launch = tuple(int(v) for v in name.split("x"))
+  if len(launch) != 3:
+    raise app.UsageError(f"--moe_decode: {name!r} is not default, off or GUxBKxWARPS")
+  return dataclasses.replace(tuning, moe_decode_launch=launch, moe_decode_quant_launch=launch)
 
 
 def counting_kernels(base: Kernels, counts: list):
@@ -203,15 +227,15 @@ def main(_):
               "ratio_to_floor": s * 1e3 / f})
 
   if "experts" in sections:
-    def chain(fn):
+    def chain(layer):
       def run(ls, x):
         for p in ls:
-          w, c = moe.route(p, x, tcfg.routing)
-          x = x + fn(p, x, w, c)
+          x = x + layer(p, x)
         return x
       return jax.jit(run)
 
-    count_experts = experts_impl("pallas", kern.tuning) if on_gpu else moe.grouped
+    count_experts = (functools.partial(moe.grouped, ops=moe_ops.expert_ops(kern.tuning))
+                     if on_gpu else moe.grouped)
 
     @jax.jit
     def count_chain(ls, x):
@@ -231,7 +255,7 @@ def main(_):
         if name == "dense" and t > 65:
           continue
         try:
-          fn = chain(experts_impl(name, kern.tuning))
+          fn = chain(experts_impl(name, kern.tuning, tcfg.routing))
           got = np.asarray(fn(layers, x), np.float32)
           s = harness.profiling.median_seconds(fn, layers, x, repeats=FLAGS.repeats)
         except Exception as err:  # pylint: disable=broad-except  (a failed launch is a row)
@@ -246,13 +270,15 @@ def main(_):
         del delta
 
   if "loop" in sections:
-    for group in FLAGS.loop_runs.split(";"):
+    for group, variant in [(g, v) for g in FLAGS.loop_runs.split(";")
+                           for v in FLAGS.moe_decode.split(",")]:
       b, _, runs = group.partition(":")
       b, rows = int(b), []
+      vk = dataclasses.replace(kern, tuning=decode_variant(variant, kern.tuning))
       for run in runs.split(","):
         method = run if run in ("ar", "chain") else "ddtree"
         budget = int(run) if method == "ddtree" else 0
-        lc = decode.LoopConfig(kernels=kern, method=method, max_new_tokens=FLAGS.steps + 1,
+        lc = decode.LoopConfig(kernels=vk, method=method, max_new_tokens=FLAGS.steps + 1,
                                num_drafts=0 if method == "ar" else dcfg.num_drafts,
                                budget=budget)
         d = (None, None) if method == "ar" else (dp, dcfg)
@@ -265,9 +291,10 @@ def main(_):
         s = harness.step_seconds(loop, case, FLAGS.repeats) * 1e3
         ar_ms = ar_ms or s
         f = floor_ms(counts, b)
-        emit({"section": "loop", "run": run, "batch": b, "verify_tokens": t,
-              "distinct_per_layer": float(counts.mean()), "step_ms": s, "vs_ar": s / ar_ms,
-              "target_floor_ms": f, "ratio_to_floor": s / f, "compile_s": compile_s})
+        emit({"section": "loop", "run": run, "batch": b, "moe_decode": variant,
+              "verify_tokens": t, "distinct_per_layer": float(counts.mean()), "step_ms": s,
+              "vs_ar": s / ar_ms, "target_floor_ms": f, "ratio_to_floor": s / f,
+              "compile_s": compile_s})
   print_tables()
 
 
@@ -286,11 +313,11 @@ def print_tables():
       print(f"{r['layers']:>6}{r['tokens']:>6}{r['distinct_per_layer']:>15.1f}{r['ms']:>9.3f}"
             f"{r['floor_ms']:>10.3f}{r['ratio_to_floor']:>8.2f}")
   print("\n== Decode loop step (AR, chain, DDTree by budget)")
-  print(f"{'run':<7}{'batch':>6}{'T':>5}{'experts/layer':>15}{'step ms':>10}{'x AR':>7}"
-        f"{'floor ms':>10}{'ratio':>8}")
+  print(f"{'run':<7}{'batch':>6}{'moe decode':>12}{'T':>5}{'experts/layer':>15}{'step ms':>10}"
+        f"{'x AR':>7}{'floor ms':>10}{'ratio':>8}")
   for r in ROWS:
     if r["section"] == "loop":
-      print(f"{r['run']:<7}{r['batch']:>6}{r['verify_tokens']:>5}"
+      print(f"{r['run']:<7}{r['batch']:>6}{r['moe_decode']:>12}{r['verify_tokens']:>5}"
             f"{r['distinct_per_layer']:>15.1f}{r['step_ms']:>10.3f}{r['vs_ar']:>7.2f}"
             f"{r['target_floor_ms']:>10.3f}{r['ratio_to_floor']:>8.2f}")
 

@@ -11,6 +11,9 @@ block FP8 128x128 (`quant.random_fp8`)), for T tokens routed uniformly at random
   python -m experiments.perf.bench_quant_experts --smoke    # tiny shapes on CPU (interpreted)
 
 Paths (--paths; each format runs those that apply):
+  decode       `moe_decode.moe_decode`: its gate/up kernel, then the down pair kernel and each
+               token's combine (T <= --pair_tokens; experts given, weights 1: the in-kernel
+               top-k is not timed here, bench_moe times it)
   pairs        `moe_ops.pair_ops`: one tile per pair, no sort (decode; T <= --pair_tokens);
                a quantized stack runs `quant_gemm.pair_matmul`, dequantized in registers
   grouped      `moe_ops.expert_ops` over the pairs sorted by expert (the sort and gather are
@@ -42,7 +45,7 @@ import numpy as np
 from ddtree_jax import engine
 from ddtree_jax.kernels import KernelTuning
 from ddtree_jax.models import decoder, moe, quant
-from ddtree_jax.pallas import grouped_gemm, moe_ops
+from ddtree_jax.pallas import grouped_gemm, moe_decode, moe_ops
 from experiments.perf import common_flags, harness
 
 common_flags.define("smoke", "rounds", "json_out", "floor_bandwidth", round_ms=20.0)
@@ -54,8 +57,11 @@ flags.DEFINE_integer("group_size", 32, "int4 inputs per scale")
 flags.DEFINE_string("fp8_block", "128,128", "fp8 scale block: inputs,outputs")
 flags.DEFINE_string("tokens", "1,8,17,65", "token counts T (T * top_k pairs)")
 flags.DEFINE_string("formats", "bf16,int4,fp8", "of bf16, int4, fp8")
-flags.DEFINE_string("paths", "pairs,grouped,xla,xla_pairs",
-                    "of pairs, grouped, pairs_swap, grouped_swap, xla, xla_pairs")
+flags.DEFINE_string("paths", "decode,pairs,grouped,xla,xla_pairs",
+                    "of decode, pairs, grouped, decode_swap, pairs_swap, grouped_swap, xla, "
+                    "xla_pairs")
+flags.DEFINE_string("decode_launches", "", "decode paths' gate/up launches GUxBKxWARPS, comma list "
+                    "('' = KernelTuning.moe_decode_launch / moe_decode_quant_launch)")
 flags.DEFINE_integer("pair_tokens", 17, "pair paths at T <= this only")
 flags.DEFINE_string("pair_blocks", "", "pair paths' tiles BMxBNxBK, comma list ('' = "
                     "KernelTuning.moe_pair_blocks)")
@@ -130,9 +136,17 @@ def cases(fmt: str, t: int, args):
       continue
     tuning = dataclasses.replace(base, moe_quant_swap=not base.moe_quant_swap) if swap else base
     kind = path.removesuffix("_swap")
-    if kind in ("pairs", "xla_pairs") and t > args.pair_tokens:
+    if kind in ("decode", "pairs", "xla_pairs") and t > args.pair_tokens:
       continue
-    if kind == "pairs":
+    if kind == "decode":
+      routing = moe.Routing(args.top_k)
+      for b in blocks_list(args.decode_launches):
+        gu, bk, warps = b or (tuning.moe_decode_quant_launch if quantized
+                              else tuning.moe_decode_launch)
+        yield path, (gu, bk, warps), "decode", functools.partial(
+            moe_decode.moe_decode, routing=routing, gate_up_block=gu, block_k=bk,
+            num_warps=warps, down_blocks=tuning.moe_pair_blocks, swap=tuning.moe_quant_swap)
+    elif kind == "pairs":
       for b in blocks_list(args.pair_blocks):
         yield path, b or tuning.moe_pair_blocks, "pairs", moe_ops.pair_ops(tuning, b)
     elif kind == "grouped":
@@ -165,8 +179,16 @@ def run_format(fmt: str, args, key):
     order, sizes = moe.sort_pairs(experts, args.experts)
     xs = x[order // k]
     where = np.argsort(np.asarray(order))[:pairs]   # each checked pair's sorted row
+    router = jnp.zeros((args.hidden, args.experts), jnp.float32)  # (unused: experts given)
+    ones = jnp.ones(experts.shape, jnp.bfloat16)
     for path, tiles, kind, ops in cases(fmt, t, args):
-      if kind == "pairs":
+      if kind == "decode":
+        fn = lambda x, wgu, wd, ex, ops=ops: ops(moe.MoEParams(router, wgu, wd), x,
+                                                 weights=ones, experts=ex)
+        step = lambda x, wgu, wd, ex, fn=fn: x + (1e-3 * fn(x, wgu, wd, ex)).astype(x.dtype)
+        carry, consts = x, (wgu, wd, experts)
+        rows = np.arange(pairs // k)  # tokens whose pairs are all checked: their sums
+      elif kind == "pairs":
         fn = lambda x, wgu, wd, ex, ops=ops: ops.down(ops.gate_up(x, wgu, ex), wd, ex)
         step = lambda x, wgu, wd, ex, fn=fn: x + (1e-3 * fn(x, wgu, wd, ex).reshape(
             x.shape[0], k, -1).sum(1)).astype(x.dtype)
@@ -183,9 +205,10 @@ def run_format(fmt: str, args, key):
       except Exception as err:  # pylint: disable=broad-except  (a failed launch is a row)
         emit(args, dict(row, error=str(err)[:400]))
         continue
-      err = float(np.max(np.abs(got - want)))
+      ref = want.reshape(-1, k, want.shape[-1])[:len(rows)].sum(1) if kind == "decode" else want
+      err = float(np.max(np.abs(got - ref)))
       emit(args, dict(row, us=sec * 1e6, ratio=sec * 1e6 / floor_us, max_abs_err=err,
-                      rel_err=err / float(np.max(np.abs(want)))))
+                      rel_err=err / float(np.max(np.abs(ref)))))
 
 
 def sweep(args):

@@ -25,6 +25,7 @@
 #   experiments/perf/run_h200.sh moe_loop OUT # Qwen3-30B-A3B AR and B=16 loop steps
 #   experiments/perf/run_h200.sh kimi OUT     # the Kimi-K2 slice's forwards at 4 and 2 layers
 #   experiments/perf/run_h200.sh moe_pairs OUT  # MoE layers at decode rows: pair kernels vs sorted
+#   experiments/perf/run_h200.sh moe_decode OUT # the MoE decode kernels vs the pair kernels
 #
 # bench_matrix compiles each batch's programs 8 at a time (configs/bench_matrix.py
 # compile_threads); bench_step compiles serially. experiments/perf/compile_offline.py checks compile
@@ -51,6 +52,19 @@ case $what in
     timeout 330 $py -m experiments.perf.bench_moe --sections=experts --tokens=1,2,8 --repeats=5 \
       --impls=pallas,pairs:16x64x128,pairs:16x32x128,pairs:16x128x64,pairs:16x64x256,pairs:16x32x256 \
       --json_out="$out/moe_pairs.jsonl" >"$out/moe_pairs.log" 2>&1
+    ;;
+  moe_decode)  # ~450 s: the MoE decode kernels (the top-k inside the gate/up kernel)
+               # against the pair kernels: Qwen3-30B-A3B's 48 MoE layers at 1 / 2 / 8 tokens
+               # per launch, then the AR and B=16 loops of Qwen3-30B-A3B and Moonlight, each
+               # with and without them
+    timeout 200 $py -m experiments.perf.bench_moe --sections=experts --tokens=1,2,8 --repeats=5 \
+      --impls=pairs,decode,decode:32x256x4,decode:64x128x4,decode:128x256x4 \
+      --json_out="$out/moe_decode_experts.jsonl" >"$out/moe_decode_experts.log" 2>&1
+    for shape in qwen3-30b-a3b moonlight-16b-a3b; do
+      timeout 190 $py -m experiments.perf.bench_moe --shape=$shape --compile_threads=8 \
+        --sections=loop --loop_runs="1:ar,16" --moe_decode=default,off --steps=8 --repeats=3 \
+        --json_out="$out/moe_decode_loop.jsonl" >>"$out/moe_decode_loop.log" 2>&1
+    done
     ;;
   mla)  # DeepSeek-V3 architecture, ~420 s: the Moonlight-16B-A3B shape (latent attention by
         # KernelTuning's rule; on 2026-12-02 at f558278 XLA's form, then the only default):
@@ -212,7 +226,7 @@ EOF
       --config.out_dir="$out/m8b" >"$out/m8b.log" 2>&1
     tar -C "$out" -czf "$out/m8b.tgz" m8b 2>/dev/null && rm -r "$out/m8b"
     ;;
-  *) echo "usage: $0 compile|step|step8|spec|quick|goals|results|int8|profile|profile_tp|kernel|sweep|gemm|tp|matrix|temperature|m8b|moe|moe_pairs|moe_loop|mla|mla8k|latent|kimi OUT" >&2
+  *) echo "usage: $0 compile|step|step8|spec|quick|goals|results|int8|profile|profile_tp|kernel|sweep|gemm|tp|matrix|temperature|m8b|moe|moe_pairs|moe_decode|moe_loop|mla|mla8k|latent|kimi OUT" >&2
      exit 2 ;;
 esac
 ls -la "$out"
