@@ -148,6 +148,11 @@ def main(_):
   for p, out in list(zip(prompts, reference))[:_SHOW.value]:
     print(f"--- prompt ({len(p)} tokens)\n{tok.decode(p)}\n--- continuation (AR = every method)\n"
           f"{tok.decode(out)}\n---")
+  texts = [tok.decode(o) for o in reference]
+  quality["distinct_lines"] = quality_lib.distinct_line_share(texts)
+  quality["compression_ratio"] = quality_lib.compression_ratio(texts)
+  print(f"completions: {quality['distinct_lines']:.0%} distinct lines, compress "
+        f"{quality['compression_ratio']:.1f}x (zlib)")
   base = results[0]["tokens_per_second"] or 1.0
   print(f"\n{'method':<14}{'tau':>7}{'tok/s':>10}{'speed-up':>10}{'same':>6}")
   for r in results:

@@ -1,6 +1,7 @@
 """Quality measures of a code LM on held-out files (the bundled pair's evaluation,
-eval_default.py): perplexity and bits per byte, and the share of greedy function bodies that
-parse.
+eval_default.py): perplexity and bits per byte, the share of greedy function bodies that
+parse, and two repetition measures of completions: the share of distinct lines and how well
+the text compresses (degenerate repetition scores low on the first and high on the second).
 
 Bits per byte compare models with different tokenizers; perplexity is per token of the model's
 own tokenizer. A function body "parses" when `ast.parse` accepts the signature plus the greedy
@@ -14,6 +15,7 @@ from __future__ import annotations
 import ast
 import math
 import textwrap
+import zlib
 
 import numpy as np
 
@@ -124,3 +126,21 @@ def parse_rate(target, docs: list[str], n: int = 100, max_new_tokens: int = 128,
         examples.append({"signature": sig, "body": body, "parses": ok[-1]})
   return {"n": len(ok), "parsed": int(sum(ok)), "rate": float(np.mean(ok)) if ok else 0.0,
           "examples": examples}
+
+
+def distinct_line_share(texts: list[str]) -> float:
+  """Mean over the texts with a non-blank line of (distinct stripped non-blank lines) / (non-blank
+  lines): 1.0 when no line repeats, near 0 for one line written over and over."""
+  shares = []
+  for text in texts:
+    lines = [l.strip() for l in text.splitlines() if l.strip()]
+    if lines:
+      shares.append(len(set(lines)) / len(lines))
+  return float(np.mean(shares)) if shares else 0.0
+
+
+def compression_ratio(texts: list[str]) -> float:
+  """Mean over the non-empty texts of len(text) / len(zlib(text)) in bytes: near 2-3 for
+  source code, far higher for one token written over and over."""
+  ratios = [len(t.encode()) / len(zlib.compress(t.encode(), 9)) for t in texts if t]
+  return float(np.mean(ratios)) if ratios else 0.0

@@ -63,3 +63,17 @@ def test_perplexity_matches_a_direct_computation():
   assert math.isclose(got["nats"], nats, rel_tol=1e-6)
   assert math.isclose(got["bits_per_byte"], nats / math.log(2) / len(text.encode()), rel_tol=1e-6)
   assert got["ppl"] == math.exp(got["nats"] / got["tokens"])
+
+
+def test_distinct_line_share_scores_repetition_low():
+  assert quality.distinct_line_share(["a = 1\nb = 2\n\n", "x\n"]) == 1.0
+  assert quality.distinct_line_share(["pass\n" * 10]) == 0.1
+  assert quality.distinct_line_share(["a\n  a\nb\n"]) == 2 / 3
+  assert quality.distinct_line_share(["", "\n\n"]) == 0.0
+
+
+def test_compression_ratio_flags_repetition():
+  code = open(quality.__file__).read()[:1500]
+  assert 1.5 < quality.compression_ratio([code]) < 4
+  assert quality.compression_ratio(["self." * 300]) > 20
+  assert quality.compression_ratio([""]) == 0.0

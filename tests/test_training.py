@@ -77,6 +77,10 @@ def test_corpus_adds_the_dependencies_sources(tmp_path):
   stdlib part (its split included) is unchanged by them."""
   assert data.resolve_packages("deps") == list(data.DEPENDENCIES)
   assert data.resolve_packages("absl, ,tqdm") == ["absl", "tqdm"]
+  every = data.resolve_packages("all")
+  assert {"absl", "jax", "numpy", "tqdm"} <= set(every) and "ddtree_jax" not in every
+  assert len(every) == len(set(every))
+  assert data.resolve_packages("deps,all")[:3] == ["jax", "jaxlib", "ml_dtypes"]
   with pytest.raises(ValueError, match="'no_such_pkg' is not installed"):
     data.sources(packages=["no_such_pkg"])
   absl_files = data.list_files(data.package_dir("absl"), "site-packages/absl/")

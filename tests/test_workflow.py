@@ -16,7 +16,7 @@ import pytest
 from conftest import FIXTURES
 
 import helpers
-from experiments import bench_matrix, coding_eval, draw_tree, workflow
+from experiments import bench_matrix, coding_eval, draw_tree, generate, workflow
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -338,3 +338,10 @@ def test_notebook_executes():
   images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
             if "image/png" in o.get("data", {})]
   assert len(images) >= 3
+
+
+def test_cpu_note_only_while_speculation_is_slower():
+  row = lambda tps: {"tokens_per_second": tps}
+  assert generate.speculation_slower([row(10.0), row(8.0), row(9.9)])
+  assert not generate.speculation_slower([row(10.0), row(8.0), row(13.0)])
+  assert not generate.speculation_slower([row(10.0)])

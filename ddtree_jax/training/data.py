@@ -1,5 +1,6 @@
 """Training data for the bundled default model: the running interpreter's standard library plus
-the installed sources of the project's own dependencies (DEPENDENCIES).
+the installed sources of the project's own dependencies (DEPENDENCIES) or of every installed
+package ("all": the package versions are recorded beside the token streams).
 
 Files: every `*.py` under `sysconfig.get_paths()["stdlib"]` (relative paths as they are), and
 under each dependency's package directory (as `site-packages/<name>/...`), minus tests, GUI/demo
@@ -58,12 +59,33 @@ def sources(root: str | None = None, packages=()) -> list[tuple[str, str]]:
                                           for p in packages]
 
 
+def installed_packages() -> list[str]:
+  """Import names of every installed distribution's top-level package with Python sources
+  (sorted; private names, single-file modules and this project left out)."""
+  import importlib.metadata  # pylint: disable=import-outside-toplevel
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  out = []
+  for name in sorted(importlib.metadata.packages_distributions()):
+    if name.startswith("_") or not name.isidentifier() or name == __name__.split(".")[0]:
+      continue
+    try:
+      spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+      continue
+    if spec is not None and spec.submodule_search_locations:
+      out.append(name)
+  return out
+
+
 def resolve_packages(packages) -> list[str]:
-  """A comma list (or sequence) of import names; "deps" stands for DEPENDENCIES."""
+  """A comma list (or sequence) of import names; "deps" stands for DEPENDENCIES, "all" for
+  every installed package (`installed_packages`). Duplicates are dropped, first kept."""
   names = packages.split(",") if isinstance(packages, str) else list(packages)
   out = []
   for n in (n.strip() for n in names):
-    out += list(DEPENDENCIES) if n == "deps" else [n] if n else []
+    group = (list(DEPENDENCIES) if n == "deps" else installed_packages() if n == "all"
+             else [n] if n else [])
+    out += [g for g in group if g not in out]
   return out
 
 

@@ -26,6 +26,7 @@
 #   experiments/perf/run_h200.sh kimi OUT     # the Kimi-K2 slice's forwards at 4 and 2 layers
 #   experiments/perf/run_h200.sh moe_pairs OUT  # MoE layers at decode rows: pair kernels vs sorted
 #   experiments/perf/run_h200.sh moe_decode OUT # the MoE decode kernels vs the pair kernels
+#   experiments/perf/run_h200.sh target_sweep OUT # the bundled target's shape from short runs
 #
 # bench_matrix compiles each batch's programs 8 at a time (configs/bench_matrix.py
 # compile_threads); bench_step compiles serially. experiments/perf/compile_offline.py checks compile
@@ -64,6 +65,37 @@ case $what in
       timeout 190 $py -m experiments.perf.bench_moe --shape=$shape --compile_threads=8 \
         --sections=loop --loop_runs="1:ar,16" --moe_decode=default,off --steps=8 --repeats=3 \
         --json_out="$out/moe_decode_loop.jsonl" >>"$out/moe_decode_loop.log" 2>&1
+    done
+    ;;
+  target_sweep)  # the bundled target's width and depth from short runs on one corpus (the
+                 # stdlib + every installed package's sources, VOCAB BPE tokens, tokenized once
+                 # under WORKDIR/corpus), each point TIME s of training (calibrated step count,
+                 # full schedule); POINTS: HIDDENxLAYERSxINTERMEDIATE (heads of 64, 2 kv heads),
+                 # LR. Needs ml_collections (and tokenizers) wheels in .whl/, installed first.
+    w=${WORKDIR:-out/target_sweep} vocab=${VOCAB:-8192} t=${TIME:-60}
+    site=/tmp/site_sweep
+    if ls .whl/*.whl >/dev/null 2>&1; then
+      $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target $site .whl/*.whl >"$out/sweep_pip.log" 2>&1
+      export PYTHONPATH=$PYTHONPATH:$site
+    fi
+    common=(--config=configs/train_target.py --config.data.packages=all
+            --config.data.vocab_size=$vocab --config.train.progress_bar=False)
+    timeout 500 $py -m experiments.train_tokenizer "${common[@]}" --config.workdir=$w/corpus \
+      >"$out/sweep_corpus.log" 2>&1
+    for point in ${POINTS:-384x8x1024 512x6x1408 320x12x896}; do
+      IFS=x read -r h l i <<<"$point"
+      d=$w/$point-lr${LR:-1.5e-3}
+      mkdir -p "$d"
+      ln -sfn "$PWD/$w/corpus/tokenizer.json" "$d/tokenizer.json"
+      ln -sfn "$PWD/$w/corpus/data" "$d/data"
+      timeout $((t + 240)) $py -m experiments.train_target "${common[@]}" --config.workdir="$d" \
+        --config.model.hidden_size=$h --config.model.num_layers=$l \
+        --config.model.intermediate_size=$i --config.model.num_heads=$((h / 64)) \
+        --config.model.num_kv_heads=2 --config.model.head_dim=64 --config.train.lr=${LR:-1.5e-3} \
+        --config.train.time_budget_s=$t --config.train.num_steps=1000000 \
+        >"$out/sweep_$point.log" 2>&1
+      tail -n 1 "$out/sweep_$point.log" >>"$out/sweep.jsonl"
     done
     ;;
   mla)  # DeepSeek-V3 architecture, ~420 s: the Moonlight-16B-A3B shape (latent attention by
@@ -226,7 +258,7 @@ EOF
       --config.out_dir="$out/m8b" >"$out/m8b.log" 2>&1
     tar -C "$out" -czf "$out/m8b.tgz" m8b 2>/dev/null && rm -r "$out/m8b"
     ;;
-  *) echo "usage: $0 compile|step|step8|spec|quick|goals|results|int8|profile|profile_tp|kernel|sweep|gemm|tp|matrix|temperature|m8b|moe|moe_pairs|moe_decode|moe_loop|mla|mla8k|latent|kimi OUT" >&2
+  *) echo "usage: $0 compile|step|step8|spec|quick|goals|results|int8|profile|profile_tp|kernel|sweep|gemm|tp|matrix|temperature|m8b|moe|moe_pairs|moe_decode|moe_loop|target_sweep|mla|mla8k|latent|kimi OUT" >&2
      exit 2 ;;
 esac
 ls -la "$out"
