@@ -1,0 +1,112 @@
+"""The gated delta rule of Gated DeltaNet layers (Qwen3.5, Qwen3-Next): a recurrent state per
+value head, S [H, dk, dv], updated per token t with decay g_t <= 0 and write strength beta_t:
+
+  S_t = exp(g_t) S_{t-1} + k_t delta_t^T,   delta_t = beta_t (v_t - exp(g_t) S_{t-1}^T k_t)
+  o_t = S_t^T q_t
+
+(q, k L2-normed and q scaled before; the HF reference `torch_recurrent_gated_delta_rule` in this
+op order). `recurrent` is that loop, the reference of the tests.
+
+A draft tree cannot keep one state per node cheaply (H x dk x dv floats each), and it need not:
+along a root path the loop unrolls to
+
+  S_j = exp(G_j) S_0 + sum_{l <= j} exp(G_j - G_l) k_l delta_l^T,   G_j = sum_{l <= j} g_l
+  delta_j = beta_j (v_j - exp(G_j) S_0^T k_j - sum_{l < j} exp(G_j - G_l) (k_l . k_j) delta_l)
+
+so the deltas solve (I + A) delta = beta (V - exp(G) K S_0) with A_jl = beta_j exp(G_j - G_l)
+(k_j . k_l) for l before j on the path. `tree` replaces "before on the path" with "an ancestor
+of": every node's delta and output are those of the loop along its own root path, all nodes at
+once (nodes listed parents first, so A is strictly lower triangular: one triangular solve of N
+rows per head, N^2 dk + N^2 dv multiply-adds, against N copies of the state for a per-node form).
+`commit` builds the state after an accepted root path from the tree's own deltas (no recompute),
+and `chunked` is prefill: chains of `chunk` tokens through the same solve, the state carried
+from chunk to chunk.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+F32 = jnp.float32
+
+
+def recurrent(q, k, v, g, beta, state):
+  """The token-by-token loop: q, k [T, H, dk], v [T, H, dv], g, beta [T, H], state [H, dk, dv]
+  -> (o [T, H, dv], the state after the last token). Float32 throughout."""
+  def step(s, x):
+    qt, kt, vt, gt, bt = x
+    s = s * jnp.exp(gt)[:, None, None]
+    delta = (vt - jnp.einsum("hk,hkv->hv", kt, s)) * bt[:, None]
+    s = s + kt[:, :, None] * delta[:, None, :]
+    return s, jnp.einsum("hk,hkv->hv", qt, s)
+  xs = tuple(a.astype(F32) for a in (q, k, v, g, beta))
+  state, o = jax.lax.scan(step, state.astype(F32), xs)
+  return o, state
+
+
+def ancestors_of(parents):
+  """parents [N] int (-1: a child of the committed state; each parent listed before its child)
+  -> [N, N] bool, [j, l] true when l is j or one of its ancestors."""
+  n = parents.shape[0]
+  eye = jnp.eye(n, dtype=bool)
+  up = (parents[:, None] == jnp.arange(n)[None, :])             # [j, parent(j)]
+
+  def body(_, anc):  # one more generation: ancestors of my parent
+    return anc | (up.astype(F32) @ anc.astype(F32) > 0)
+  return jax.lax.fori_loop(0, n, body, eye)
+
+
+def tree(q, k, v, g, beta, state, ancestors):
+  """Every node of a tree at once: q, k [N, H, dk], v [N, H, dv], g, beta [N, H], state
+  [H, dk, dv] (the committed one), ancestors [N, N] (`ancestors_of`) -> (o [N, H, dv], delta
+  [N, H, dv], G [N, H]): node j's output and delta are the loop's along its root path; G is the
+  summed decay of that path (what `commit` needs)."""
+  q, k, v, g, beta, state = (a.astype(F32) for a in (q, k, v, g, beta, state))
+  anc = ancestors.astype(F32)
+  big_g = jnp.einsum("jl,lh->jh", anc, g)                          # [N, H]
+  strict = ancestors & ~jnp.eye(anc.shape[0], dtype=bool)
+  # exp(G_j - G_l) <= 1 for an ancestor l of j; other pairs are masked (and kept finite)
+  decay = jnp.exp(jnp.where(ancestors[None], big_g.T[:, :, None] - big_g.T[:, None, :], 0.0))
+  kk = jnp.einsum("jhd,lhd->hjl", k, k)
+  a = jnp.where(strict[None], beta.T[:, :, None] * decay * kk, 0.0)
+  rhs = beta[:, :, None] * (v - jnp.exp(big_g)[:, :, None] * jnp.einsum("jhd,hdv->jhv", k, state))
+  eye = jnp.eye(anc.shape[0], dtype=F32)
+  delta = jax.vmap(lambda m, b: jax.scipy.linalg.solve_triangular(m, b, lower=True,
+                                                                  unit_diagonal=True),
+                   in_axes=(0, 1), out_axes=1)(eye[None] + a, rhs)   # [N, H, dv]
+  qk = jnp.where(ancestors[None], decay * jnp.einsum("jhd,lhd->hjl", q, k), 0.0)
+  o = (jnp.exp(big_g)[:, :, None] * jnp.einsum("jhd,hdv->jhv", q, state)
+       + jnp.einsum("hjl,lhv->jhv", qk, delta))
+  return o, delta, big_g
+
+
+def commit(state, k, delta, big_g, path, last):
+  """The state after an accepted root path, from `tree`'s deltas (no recompute): state [H, dk,
+  dv], k [N, H, dk], delta [N, H, dv], G [N, H], path [N] bool (the accepted nodes, a root
+  path), last: its deepest node (-1: none accepted, the state unchanged) -> [H, dk, dv]."""
+  g_last = jnp.where(last >= 0, big_g[jnp.maximum(last, 0)], 0.0)     # [H]
+  w = jnp.where(path[:, None], jnp.exp(jnp.minimum(g_last[None, :] - big_g, 0.0)), 0.0)
+  writes = jnp.einsum("nh,nhd,nhv->hdv", w, k.astype(F32), delta)
+  return jnp.exp(g_last)[:, None, None] * state.astype(F32) + writes
+
+
+def chunked(q, k, v, g, beta, state, chunk: int = 64):
+  """Prefill: `recurrent`'s result (o [T, H, dv], final state) through `tree` on chains of
+  `chunk` tokens, the state carried between chunks (T padded to a multiple with g = beta = 0
+  tokens, which change nothing)."""
+  t = q.shape[0]
+  pad = -t % chunk
+  padded = [jnp.pad(a.astype(F32), [(0, pad)] + [(0, 0)] * (a.ndim - 1))
+            for a in (q, k, v, g, beta)]
+  chain = jnp.tril(jnp.ones((chunk, chunk), bool))
+  every = jnp.ones((chunk,), bool)
+
+  def step(s, x):
+    qc, kc, vc, gc, bc = x
+    o, delta, big_g = tree(qc, kc, vc, gc, bc, s, chain)
+    return commit(s, kc, delta, big_g, every, chunk - 1), o
+  xs = tuple(a.reshape(-1, chunk, *a.shape[1:]) for a in padded)
+  state, o = jax.lax.scan(step, state.astype(F32), xs)
+  return o.reshape(-1, *o.shape[2:])[:t], state
