@@ -67,3 +67,29 @@ def test_every_node_sees_its_own_root_path(decay):
   _close(gd.commit(state, x[1], delta, big_g, jnp.zeros((n,), bool), -1), state, 0)
   # a sibling's branch changes the outputs: node 4 (sibling of 3) differs from node 3
   assert np.abs(np.asarray(o[3] - o[4])).max() > 1e-3
+
+
+def test_conv_of_every_node_runs_along_its_root_path():
+  """Kernel 4: each node's convolution equals a causal convolution over (window + its path);
+  the committed window is the last 3 inputs of (window + accepted path), also for paths shorter
+  than the window and for nothing accepted."""
+  rng = np.random.default_rng(5)
+  parents = np.array([-1, 0, 0, 1, 2, 4, 5, -1])
+  n, c, k = len(parents), 5, 4
+  x = jnp.asarray(rng.normal(size=(n, c)), jnp.float32)
+  window = jnp.asarray(rng.normal(size=(k - 1, c)), jnp.float32)
+  weight = jnp.asarray(rng.normal(size=(k, c)), jnp.float32)
+  got = np.asarray(gd.tree_conv(x, jnp.asarray(parents), window, weight))
+  for j in range(n):
+    path = [j]
+    while parents[path[-1]] >= 0:
+      path.append(int(parents[path[-1]]))
+    seq = np.concatenate([np.asarray(window), np.asarray(x)[path[::-1]]])   # oldest first
+    want = sum(np.asarray(weight)[k - 1 - i] * seq[-1 - i] for i in range(k))
+    np.testing.assert_allclose(got[j], want, rtol=1e-5, atol=1e-5)
+    kept = gd.commit_window(window, x, jnp.asarray(parents), j)
+    np.testing.assert_array_equal(np.asarray(kept), seq[-(k - 1):])
+  np.testing.assert_array_equal(
+      np.asarray(gd.commit_window(window, x, jnp.asarray(parents), -1)), np.asarray(window))
+  with pytest.raises(ValueError, match="window of 2 rows"):
+    gd.tree_conv(x, jnp.asarray(parents), window[1:], weight)

@@ -21,6 +21,11 @@ rows per head, N^2 dk + N^2 dv multiply-adds, against N copies of the state for 
 `commit` builds the state after an accepted root path from the tree's own deltas (no recompute),
 and `chunked` is prefill: chains of `chunk` tokens through the same solve, the state carried
 from chunk to chunk.
+
+The layer's causal depthwise convolution (kernel K over its q / k / v channels) sees, for a
+node, the inputs along its own root path, continued into the committed window of the last K - 1
+inputs: `tree_conv` walks each node's path back K - 1 steps through the parents, then the window;
+`commit_window` keeps the last K - 1 inputs of the accepted path.
 """
 
 from __future__ import annotations
@@ -110,3 +115,41 @@ def chunked(q, k, v, g, beta, state, chunk: int = 64):
   xs = tuple(a.reshape(-1, chunk, *a.shape[1:]) for a in padded)
   state, o = jax.lax.scan(step, state.astype(F32), xs)
   return o.reshape(-1, *o.shape[2:])[:t], state
+
+
+def _step_back(pos, parents, w: int):
+  """One input back along each path, in the rows of [window (w rows, newest last); nodes]: a
+  node's parent, a root node's newest window row, a window row the one before it."""
+  node = pos - w
+  parent = parents[jnp.clip(node, 0, parents.shape[0] - 1)]
+  return jnp.where(node >= 0, jnp.where(parent >= 0, parent + w, w - 1), pos - 1)
+
+
+def tree_conv(x, parents, window, weight):
+  """Causal depthwise convolution of every node over its root path: x [N, C] the nodes' inputs,
+  parents [N] (-1: a child of the committed inputs), window [K-1, C] the last committed inputs
+  (newest last), weight [K, C] (weight[K-1] multiplies the node's own input) -> [N, C] float32,
+  before the activation."""
+  k, w = weight.shape[0], window.shape[0]
+  if w != k - 1:
+    raise ValueError(f"tree_conv: a window of {w} rows for a kernel of {k} (needs {k - 1})")
+  rows = jnp.concatenate([window, x]).astype(F32)
+  pos = jnp.arange(x.shape[0]) + w
+  out = weight[k - 1].astype(F32) * rows[pos]
+  for i in range(1, k):
+    pos = _step_back(pos, parents, w)
+    out = out + weight[k - 1 - i].astype(F32) * rows[pos]
+  return out
+
+
+def commit_window(window, x, parents, last):
+  """The window after an accepted root path ending at node `last` (-1: none; the window kept):
+  its last K - 1 inputs along the path, continued into the old window, newest last."""
+  w = window.shape[0]
+  rows = jnp.concatenate([window, x.astype(window.dtype)])
+  pos = jnp.where(last >= 0, last + w, w - 1)
+  picked = [pos]
+  for _ in range(w - 1):
+    pos = _step_back(pos, parents, w)
+    picked.append(pos)
+  return rows[jnp.stack(picked[::-1])]
