@@ -2,6 +2,8 @@
 all-nodes tree form against the token-by-token loop, node by node along each root path, and the
 state an accepted path commits."""
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -93,3 +95,76 @@ def test_conv_of_every_node_runs_along_its_root_path():
       np.asarray(gd.commit_window(window, x, jnp.asarray(parents), -1)), np.asarray(window))
   with pytest.raises(ValueError, match="window of 2 rows"):
     gd.tree_conv(x, jnp.asarray(parents), window[1:], weight)
+
+
+# --------------------------------------------------------------------------------------------
+# The layer: a NumPy oracle written from the Gated DeltaNet formulas, token by token
+
+DIMS = gd.GDNDims(key_heads=2, value_heads=4, key_dim=8, value_dim=6)
+HID, KER = 16, 4
+CH = 2 * 2 * 8 + 4 * 6
+
+
+def _layer_params(seed=0):
+  rng = np.random.default_rng(seed)
+  w = lambda *s: jnp.asarray(rng.normal(size=s) * 0.3, jnp.float32)
+  return gd.GDNParams(w_qkv=w(HID, CH), w_z=w(HID, 24), w_b=w(HID, 4), w_a=w(HID, 4),
+                      conv=w(KER, CH), dt_bias=w(4), a_log=w(4), norm=1 + w(6), w_out=w(24, HID))
+
+
+def _oracle(p, xs, state, window):
+  """Token by token in float64: (outputs [T, H], state, window)."""
+  p = {f.name: np.asarray(getattr(p, f.name), np.float64) for f in dataclasses.fields(p)}
+  silu = lambda a: a / (1 + np.exp(-a))
+  state, window, out = np.array(state, np.float64), np.array(window, np.float64), []
+  kd, r = 16, 2
+  for x in np.asarray(xs, np.float64):
+    window = np.concatenate([window, (x @ p["w_qkv"])[None]])
+    conv = silu(np.sum(p["conv"] * window[-KER:], axis=0))
+    window = window[1:]
+    q = np.repeat(conv[:kd].reshape(2, 8), r, axis=0)
+    k = np.repeat(conv[kd:2 * kd].reshape(2, 8), r, axis=0)
+    v = conv[2 * kd:].reshape(4, 6)
+    q = q / np.sqrt(np.sum(q * q, -1, keepdims=True) + 1e-6) / np.sqrt(8)
+    k = k / np.sqrt(np.sum(k * k, -1, keepdims=True) + 1e-6)
+    beta = 1 / (1 + np.exp(-(x @ p["w_b"])))
+    g = -np.exp(p["a_log"]) * np.log1p(np.exp(x @ p["w_a"] + p["dt_bias"]))
+    o = np.zeros((4, 6))
+    for h in range(4):
+      state[h] *= np.exp(g[h])
+      delta = (v[h] - k[h] @ state[h]) * beta[h]
+      state[h] += np.outer(k[h], delta)
+      o[h] = q[h] @ state[h]
+    z = (x @ p["w_z"]).reshape(4, 6)
+    y = o / np.sqrt(np.mean(o * o, -1, keepdims=True) + DIMS.eps) * p["norm"] * silu(z)
+    out.append(y.reshape(-1) @ p["w_out"])
+  return np.stack(out), state, window
+
+
+def test_layer_prefill_tree_and_commit_equal_the_token_loop():
+  """Prefill (chunked, not a multiple of the chunk) from a committed state and window; then a
+  tree whose every node equals the loop over its own root path; then committing one path and
+  prefilling more equals the loop over prompt + path + continuation."""
+  p = _layer_params()
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.normal(size=(11, HID)), jnp.float32)
+  state = jnp.asarray(rng.normal(size=(4, 8, 6)) * 0.1, jnp.float32)
+  window = jnp.asarray(rng.normal(size=(KER - 1, CH)) * 0.3, jnp.float32)
+  y, s1, w1 = gd.prefill(p, DIMS, x, state, window, chunk=4)
+  y_ref, s_ref, w_ref = _oracle(p, x, state, window)
+  _close(y, y_ref, 1e-4)
+  _close(s1, s_ref, 1e-4)
+  _close(w1, w_ref, 1e-5)
+  parents = jnp.asarray([-1, 0, 0, 1, 2, 3, 3, 6])
+  nodes = jnp.asarray(rng.normal(size=(8, HID)), jnp.float32)
+  out, pending = gd.tree_forward(p, DIMS, nodes, parents, s1, w1)
+  anc = np.asarray(gd.ancestors_of(parents))
+  for j in range(8):
+    path = np.flatnonzero(anc[j])
+    _close(out[j], _oracle(p, nodes[path], s1, w1)[0][-1], 1e-4)
+  path = np.flatnonzero(anc[7])                       # 0 -> 1 -> 3 -> 6 -> 7
+  s2, w2 = gd.commit_tree(s1, w1, pending, parents, jnp.asarray(anc[7]), 7)
+  more = jnp.asarray(rng.normal(size=(5, HID)), jnp.float32)
+  y3 = gd.prefill(p, DIMS, more, s2, w2, chunk=4)[0]
+  want = _oracle(p, jnp.concatenate([nodes[path], more]), s1, w1)[0][-5:]
+  _close(y3, want, 1e-4)

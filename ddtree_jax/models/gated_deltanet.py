@@ -26,9 +26,19 @@ The layer's causal depthwise convolution (kernel K over its q / k / v channels) 
 node, the inputs along its own root path, continued into the committed window of the last K - 1
 inputs: `tree_conv` walks each node's path back K - 1 steps through the parents, then the window;
 `commit_window` keeps the last K - 1 inputs of the accepted path.
+
+The layer around the rule (`GDNParams`, Qwen3.5's layout; Qwen3-Next's fused projections are
+the same weights permuted): q / k / v from one projection through the convolution and SiLU, q and
+k L2-normed (q also scaled by dk^-0.5) and repeated from the key heads to the value heads (value
+head h reads key head h // r), beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias), then
+per value head an RMSNorm of the output gated by silu(z), and the out projection. `prefill` runs
+it over a prompt (chunked), `tree_forward` over a draft tree, `commit_tree` keeps the accepted
+path's state and window.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -153,3 +163,92 @@ def commit_window(window, x, parents, last):
     pos = _step_back(pos, parents, w)
     picked.append(pos)
   return rows[jnp.stack(picked[::-1])]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class GDNParams:
+  """One Gated DeltaNet layer: Hk key heads of dk, Hv value heads of dv, hidden H, kernel K."""
+  w_qkv: Array     # [H, 2 Hk dk + Hv dv]: q | k | v, head-major (the convolved channels)
+  w_z: Array       # [H, Hv dv]: the output gate
+  w_b: Array       # [H, Hv]: write strength, beta = sigmoid(b)
+  w_a: Array       # [H, Hv]: decay input
+  conv: Array      # [K, 2 Hk dk + Hv dv]: conv[K-1] multiplies the newest input
+  dt_bias: Array   # [Hv]
+  a_log: Array     # [Hv]
+  norm: Array      # [dv]: the gated RMSNorm's weight (1 is identity: not zero-centred)
+  w_out: Array     # [Hv dv, H]
+
+
+@dataclasses.dataclass(frozen=True)
+class GDNDims:
+  """A Gated DeltaNet layer's widths (hashable: static)."""
+  key_heads: int
+  value_heads: int
+  key_dim: int
+  value_dim: int
+  eps: float = 1e-6     # the gated RMSNorm's (the L2 norm's is 1e-6 always)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Pending:
+  """What a verified tree leaves for `commit_tree`: the nodes' convolution inputs [N, C], keys
+  [N, Hv, dk] (normed), deltas [N, Hv, dv] and summed decays G [N, Hv]."""
+  inputs: Array
+  k: Array
+  delta: Array
+  big_g: Array
+
+
+def _l2norm(x):
+  return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
+
+
+def _rule_inputs(p: GDNParams, d: GDNDims, x, conv_out):
+  """(q, k [N, Hv, dk], v [N, Hv, dv], g, beta [N, Hv]) float32 from the convolved channels."""
+  n, kd = conv_out.shape[0], d.key_heads * d.key_dim
+  act = jax.nn.silu(conv_out).astype(x.dtype).astype(F32)
+  r = d.value_heads // d.key_heads
+  heads = lambda a: jnp.repeat(a.reshape(n, d.key_heads, d.key_dim), r, axis=1)
+  q = _l2norm(heads(act[:, :kd])) * d.key_dim ** -0.5
+  k = _l2norm(heads(act[:, kd:2 * kd]))
+  v = act[:, 2 * kd:].reshape(n, d.value_heads, d.value_dim)
+  beta = jax.nn.sigmoid(x @ p.w_b).astype(F32)
+  g = -jnp.exp(p.a_log.astype(F32)) * jax.nn.softplus((x @ p.w_a).astype(F32)
+                                                     + p.dt_bias.astype(F32))
+  return q, k, v, g, beta
+
+
+def _output(p: GDNParams, d: GDNDims, x, o):
+  """o [N, Hv, dv] float32 -> RMSNorm per head, times silu(z), out projection: [N, H]."""
+  z = (x @ p.w_z).reshape(o.shape).astype(F32)
+  normed = (o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + d.eps)).astype(x.dtype)
+  y = (p.norm * normed).astype(F32) * jax.nn.silu(z)
+  return y.astype(x.dtype).reshape(x.shape[0], -1) @ p.w_out
+
+
+def prefill(p: GDNParams, d: GDNDims, x, state, window, chunk: int = 64):
+  """A prompt x [T, H] after the committed (state [Hv, dk, dv], window [K-1, C]) -> (y [T, H],
+  state, window)."""
+  chain = jnp.arange(x.shape[0]) - 1
+  inputs = x @ p.w_qkv
+  q, k, v, g, beta = _rule_inputs(p, d, x, tree_conv(inputs, chain, window, p.conv))
+  o, state = chunked(q, k, v, g, beta, state, chunk)
+  return _output(p, d, x, o), state, commit_window(window, inputs, chain, x.shape[0] - 1)
+
+
+def tree_forward(p: GDNParams, d: GDNDims, x, parents, state, window):
+  """Draft-tree nodes x [N, H] (parents [N], parents first; -1 hangs off the committed state)
+  -> (y [N, H], Pending): each node's output is the layer's along its own root path."""
+  inputs = x @ p.w_qkv
+  q, k, v, g, beta = _rule_inputs(p, d, x, tree_conv(inputs, parents, window, p.conv))
+  o, delta, big_g = tree(q, k, v, g, beta, state, ancestors_of(parents))
+  return _output(p, d, x, o), Pending(inputs, k, delta, big_g)
+
+
+def commit_tree(state, window, pending: Pending, parents, path, last):
+  """(state, window) after the accepted root path (path [N] bool, its deepest node `last`; -1:
+  none) of a verified tree, from its Pending: no node is recomputed."""
+  return (commit(state, pending.k, pending.delta, pending.big_g, path, last),
+          commit_window(window, pending.inputs, parents, last))
