@@ -9,6 +9,10 @@ alone, with numpy, independent of the engine's loaders):
 
 Both reference.npz files hold `expert_l1_e0_gate`, the float32 weight HF's model ran with for
 layer 1 expert 0's gate_proj; unpacking the stored tensors here must give it bit for bit.
+
+The hybrid fixtures (qwen3_5_text, qwen3_next) hold Gated DeltaNet layers in the two tensor
+layouts (separate projections; fused in_proj_qkvz / in_proj_ba) where config.json's layer types
+say, and a reference whose greedy tokens are its decode logits' argmax.
 """
 
 import json
@@ -196,3 +200,36 @@ def test_fp8_dequantizes_to_reference(fp8):
   weight = dequantize_fp8(tensors[name], tensors[name + "_scale_inv"])
   np.testing.assert_array_equal(weight, ref["expert_l1_e0_gate"])
   _check_reference(ref, tensors["model.embed_tokens.weight"].shape[1])
+
+
+@pytest.mark.parametrize("name,fused", [("qwen3_5_text", False), ("qwen3_next", True)])
+def test_hybrid_fixtures_hold_both_layer_kinds(name, fused):
+  d = os.path.join(FIXTURES, name)
+  with open(os.path.join(d, "config.json")) as f:
+    cfg = json.load(f)
+  tensors = read_safetensors(os.path.join(d, "model.safetensors"))
+  kinds = cfg["layer_types"]
+  assert kinds == ["linear_attention"] * 3 + ["full_attention"]
+  hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+  dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+  conv_dim = 2 * hk * dk + hv * dv
+  for i, kind in enumerate(kinds):
+    prefix = f"model.layers.{i}."
+    names = {n[len(prefix):] for n in tensors if n.startswith(prefix)}
+    if kind == "full_attention":
+      assert "self_attn.q_proj.weight" in names and not any("linear_attn" in n for n in names)
+      # the q projection also yields the output gate: 2 x heads x head_dim rows
+      assert tensors[f"model.layers.{i}.self_attn.q_proj.weight"].shape[0] == (
+          2 * cfg["num_attention_heads"] * cfg["head_dim"])
+      continue
+    pre = f"model.layers.{i}.linear_attn."
+    assert tensors[pre + "conv1d.weight"].shape == (conv_dim, 1, cfg["linear_conv_kernel_dim"])
+    if fused:
+      assert tensors[pre + "in_proj_qkvz.weight"].shape[0] == conv_dim + hv * dv
+      assert tensors[pre + "in_proj_ba.weight"].shape[0] == 2 * hv
+    else:
+      assert tensors[pre + "in_proj_qkv.weight"].shape[0] == conv_dim
+      assert {pre + f"in_proj_{x}.weight" for x in "zba"} <= set(tensors)
+  ref = np.load(os.path.join(d, "reference.npz"))
+  np.testing.assert_array_equal(np.argmax(ref["decode_logits"], -1), ref["greedy"])
+  assert len(ref["greedy"]) == 24
