@@ -168,3 +168,19 @@ def test_layer_prefill_tree_and_commit_equal_the_token_loop():
   y3 = gd.prefill(p, DIMS, more, s2, w2, chunk=4)[0]
   want = _oracle(p, jnp.concatenate([nodes[path], more]), s1, w1)[0][-5:]
   _close(y3, want, 1e-4)
+
+
+def test_qwen3_next_projections_unfuse_by_key_head_group():
+  """The fused rows as transformers lays them out (2 key heads, r = 3 value heads of 5, dk 8: a
+  group is 46 rows), each row tagged by its index: q takes rows 0-7 and 46-53, k 8-15 and 54-61,
+  value head 0 rows 16-20, z rows 31-45 and 77-91; b rows 0-2 and 6-8 of in_proj_ba, a 3-5, 9-11."""
+  dims = gd.GDNDims(key_heads=2, value_heads=6, key_dim=8, value_dim=5)
+  qkvz = np.arange(92, dtype=np.float32)[:, None] * np.ones((1, 3), np.float32)
+  ba = np.arange(12, dtype=np.float32)[:, None] * np.ones((1, 3), np.float32)
+  out = gd.unfuse_qwen3_next(qkvz, ba, dims)
+  rows = lambda a: a[:, 0].astype(int).tolist()
+  group = lambda lo, hi: list(range(lo, hi)) + list(range(lo + 46, hi + 46))
+  assert rows(out["qkv"]) == group(0, 8) + group(8, 16) + group(16, 31)
+  assert rows(out["z"]) == group(31, 46)
+  assert rows(out["b"]) == [0, 1, 2, 6, 7, 8] and rows(out["a"]) == [3, 4, 5, 9, 10, 11]
+  assert out["qkv"].shape == (2 * 16 + 30, 3)

@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 
 Array = jax.Array
@@ -252,3 +253,18 @@ def commit_tree(state, window, pending: Pending, parents, path, last):
   none) of a verified tree, from its Pending: no node is recomputed."""
   return (commit(state, pending.k, pending.delta, pending.big_g, path, last),
           commit_window(window, pending.inputs, parents, last))
+
+
+def unfuse_qwen3_next(w_qkvz, w_ba, d: GDNDims) -> dict[str, np.ndarray]:
+  """Qwen3-Next's fused projections (HF [out, in]) in Qwen3.5's layout: per key head g the
+  fused rows are [q_g | k_g | v and z of its r value heads], and b / a [b of its r | a of its r];
+  returns {"qkv": [2 Hk dk + Hv dv, in] (all q, all k, all v, head-major), "z": [Hv dv, in],
+  "b": [Hv, in], "a": [Hv, in]}: the same layer, so one layout serves both families."""
+  hk, dk, dv = d.key_heads, d.key_dim, d.value_dim
+  r = d.value_heads // hk
+  w = np.asarray(w_qkvz).reshape(hk, 2 * dk + 2 * r * dv, -1)
+  q, k, v, z = np.split(w, np.cumsum([dk, dk, r * dv]), axis=1)
+  flat = lambda a: a.reshape(-1, a.shape[-1])
+  b, a = np.split(np.asarray(w_ba).reshape(hk, 2 * r, -1), 2, axis=1)
+  return {"qkv": np.concatenate([flat(q), flat(k), flat(v)]), "z": flat(z), "b": flat(b),
+          "a": flat(a)}
