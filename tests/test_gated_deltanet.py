@@ -1,13 +1,19 @@
 """The gated delta rule (`models/gated_deltanet.py`, float32): the chunked prefill and the
 all-nodes tree form against the token-by-token loop, node by node along each root path, and the
-state an accepted path commits."""
+state an accepted path commits; the layer against a NumPy oracle; both hybrid fixtures' logits
+(Qwen3.5 text, Qwen3-Next) from a plain forward built on the layer, against transformers'."""
 
 import dataclasses
+import json
+import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import FIXTURES
+from ddtree_jax.checkpoints.safetensors_io import read_safetensors
 from ddtree_jax.models import gated_deltanet as gd
 
 H, DK, DV = 3, 8, 6
@@ -184,3 +190,91 @@ def test_qwen3_next_projections_unfuse_by_key_head_group():
   assert rows(out["z"]) == group(31, 46)
   assert rows(out["b"]) == [0, 1, 2, 6, 7, 8] and rows(out["a"]) == [3, 4, 5, 9, 10, 11]
   assert out["qkv"].shape == (2 * 16 + 30, 3)
+
+
+# --------------------------------------------------------------------------------------------
+# HF parity: both hybrid fixtures through a plain forward built on this module's layer
+
+
+def _hf_forward(name, tokens):
+  """Logits [T, V] of a hybrid fixture for one sequence: zero-centred RMSNorms, Gated DeltaNet
+  layers through `gd.prefill` from a zero state and window (Qwen3-Next's projections unfused),
+  gated full attention with partial rotary, dense MLPs or experts + a sigmoid-gated shared
+  expert. Float32, no cache: the weights and conventions against transformers' logits."""
+  d = os.path.join(FIXTURES, name)
+  with open(os.path.join(d, "config.json")) as f:
+    c = json.load(f)
+  t = {k: jnp.asarray(v, jnp.float32) for k, v in read_safetensors(
+      os.path.join(d, "model.safetensors")).items()}
+  eps, n = c["rms_norm_eps"], len(tokens)
+  dims = gd.GDNDims(c["linear_num_key_heads"], c["linear_num_value_heads"],
+                    c["linear_key_head_dim"], c["linear_value_head_dim"], eps)
+  norm = lambda x, w: x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + eps) * (1 + w)
+  swiglu = lambda x, p: (jax.nn.silu(x @ t[p + "gate_proj.weight"].T)
+                         * (x @ t[p + "up_proj.weight"].T)) @ t[p + "down_proj.weight"].T
+  hd, nh, nkv = c["head_dim"], c["num_attention_heads"], c["num_key_value_heads"]
+  rot = int(hd * c["rope_parameters"]["partial_rotary_factor"])
+  inv = 1.0 / c["rope_parameters"]["rope_theta"] ** (jnp.arange(0, rot, 2) / rot)
+  ang = jnp.arange(n)[:, None] * inv[None]
+  cos, sin = jnp.cos(jnp.concatenate([ang, ang], -1)), jnp.sin(jnp.concatenate([ang, ang], -1))
+
+  def rope(x):  # [T, heads, hd]: rotate-half over the first `rot` dims
+    r, rest = x[..., :rot], x[..., rot:]
+    half = jnp.concatenate([-r[..., rot // 2:], r[..., :rot // 2]], -1)
+    return jnp.concatenate([r * cos[:, None] + half * sin[:, None], rest], -1)
+
+  h = t["model.embed_tokens.weight"][jnp.asarray(tokens)]
+  for i, kind in enumerate(c["layer_types"]):
+    pre = f"model.layers.{i}."
+    x = norm(h, t[pre + "input_layernorm.weight"])
+    if kind == "linear_attention":
+      la = pre + "linear_attn."
+      if la + "in_proj_qkvz.weight" in t:
+        w = gd.unfuse_qwen3_next(t[la + "in_proj_qkvz.weight"], t[la + "in_proj_ba.weight"], dims)
+      else:
+        w = {k: t[la + f"in_proj_{k}.weight"] for k in ("qkv", "z", "b", "a")}
+      p = gd.GDNParams(
+          w_qkv=jnp.asarray(w["qkv"]).T, w_z=jnp.asarray(w["z"]).T, w_b=jnp.asarray(w["b"]).T,
+          w_a=jnp.asarray(w["a"]).T, conv=t[la + "conv1d.weight"][:, 0, :].T,
+          dt_bias=t[la + "dt_bias"], a_log=t[la + "A_log"], norm=t[la + "norm.weight"],
+          w_out=t[la + "out_proj.weight"].T)
+      conv_dim = p.w_qkv.shape[1]
+      state = jnp.zeros((dims.value_heads, dims.key_dim, dims.value_dim))
+      window = jnp.zeros((c["linear_conv_kernel_dim"] - 1, conv_dim))
+      y = gd.prefill(p, dims, x, state, window, chunk=4)[0]
+    else:
+      sa = pre + "self_attn."
+      qg = (x @ t[sa + "q_proj.weight"].T).reshape(n, nh, 2 * hd)
+      q, gate = qg[..., :hd], qg[..., hd:].reshape(n, nh * hd)
+      q = rope(norm(q, t[sa + "q_norm.weight"]))
+      k = rope(norm((x @ t[sa + "k_proj.weight"].T).reshape(n, nkv, hd), t[sa + "k_norm.weight"]))
+      v = (x @ t[sa + "v_proj.weight"].T).reshape(n, nkv, hd)
+      k, v = (jnp.repeat(a, nh // nkv, axis=1) for a in (k, v))
+      s = jnp.einsum("qhd,khd->hqk", q, k) * hd ** -0.5
+      s = jnp.where(jnp.tril(jnp.ones((n, n), bool))[None], s, -jnp.inf)
+      o = jnp.einsum("hqk,khd->qhd", jax.nn.softmax(s, -1), v).reshape(n, nh * hd)
+      y = (o * jax.nn.sigmoid(gate)) @ t[sa + "o_proj.weight"].T
+    h = h + y
+    x = norm(h, t[pre + "post_attention_layernorm.weight"])
+    if pre + "mlp.gate.weight" in t:
+      probs = jax.nn.softmax(x @ t[pre + "mlp.gate.weight"].T, -1)
+      top_w, top_e = jax.lax.top_k(probs, c["num_experts_per_tok"])
+      if c.get("norm_topk_prob", True):
+        top_w = top_w / top_w.sum(-1, keepdims=True)
+      experts = jnp.stack([swiglu(x, pre + f"mlp.experts.{e}.")
+                           for e in range(c["num_experts"])], 1)          # [T, E, H]
+      y = jnp.einsum("tk,tkh->th", top_w, jnp.take_along_axis(experts, top_e[..., None], 1))
+      y = y + jax.nn.sigmoid(x @ t[pre + "mlp.shared_expert_gate.weight"].T) * swiglu(
+          x, pre + "mlp.shared_expert.")
+    else:
+      y = swiglu(x, pre + "mlp.")
+    h = h + y
+  return norm(h, t["model.norm.weight"]) @ t["lm_head.weight"].T
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_text", "qwen3_next"])
+def test_the_layer_in_a_plain_forward_matches_transformers(name):
+  ref = np.load(os.path.join(FIXTURES, name, "reference.npz"))
+  for row in range(ref["input_ids"].shape[0]):
+    got = _hf_forward(name, ref["input_ids"][row])
+    _close(got, ref["logits"][row], 1e-4)
