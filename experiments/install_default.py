@@ -19,7 +19,7 @@ from ddtree_jax.training import data
 
 _WORKDIR = flags.DEFINE_string("workdir", "out/train_default", "training workdir")
 _OUT = flags.DEFINE_string("out", "ddtree_jax/default_model", "install folder")
-_MAX_MB = flags.DEFINE_float("max_mb", 16.0, "size cap of the installed pair (MB = 1e6 bytes)")
+_MAX_MB = flags.DEFINE_float("max_mb", 40.0, "size cap of the installed pair (MB = 1e6 bytes)")
 
 FILES = {"target": ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                     "tokenizer_config.json"),

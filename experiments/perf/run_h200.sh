@@ -27,6 +27,7 @@
 #   experiments/perf/run_h200.sh moe_pairs OUT  # MoE layers at decode rows: pair kernels vs sorted
 #   experiments/perf/run_h200.sh moe_decode OUT # the MoE decode kernels vs the pair kernels
 #   experiments/perf/run_h200.sh target_sweep OUT # the bundled target's shape from short runs
+#   setsid experiments/perf/run_h200.sh default_pair OUT &  # the bundled pair end to end (~24 min)
 #
 # bench_matrix compiles each batch's programs 8 at a time (configs/bench_matrix.py
 # compile_threads); bench_step compiles serially. experiments/perf/compile_offline.py checks compile
@@ -67,35 +68,65 @@ case $what in
         --json_out="$out/moe_decode_loop.jsonl" >>"$out/moe_decode_loop.log" 2>&1
     done
     ;;
-  target_sweep)  # the bundled target's width and depth from short runs on one corpus (the
-                 # stdlib + every installed package's sources, VOCAB BPE tokens, tokenized once
-                 # under WORKDIR/corpus), each point TIME s of training (calibrated step count,
-                 # full schedule); POINTS: HIDDENxLAYERSxINTERMEDIATE (heads of 64, 2 kv heads),
-                 # LR. Needs ml_collections (and tokenizers) wheels in .whl/, installed first.
-    w=${WORKDIR:-out/target_sweep} vocab=${VOCAB:-8192} t=${TIME:-60}
+  target_sweep)  # the bundled target's depth at ~15.5M parameters from short runs on one corpus
+                 # (configs/train_target.py's: the stdlib + every installed package's sources,
+                 # tokenized once under CORPUS), each point TIME s of training (calibrated step
+                 # count, full schedule); POINTS: HIDDENxLAYERSxINTERMEDIATE (heads of 64, 2 kv
+                 # heads). Needs the ml_collections wheel in .whl/.
+    w=${WORKDIR:-out/target_sweep} t=${TIME:-40} corpus=${CORPUS:-${WORKDIR:-out/target_sweep}/corpus}
     site=/tmp/site_sweep
     if ls .whl/*.whl >/dev/null 2>&1; then
       $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target $site .whl/*.whl >"$out/sweep_pip.log" 2>&1
       export PYTHONPATH=$PYTHONPATH:$site
     fi
-    common=(--config=configs/train_target.py --config.data.packages=all
-            --config.data.vocab_size=$vocab --config.train.progress_bar=False)
-    timeout 500 $py -m experiments.train_tokenizer "${common[@]}" --config.workdir=$w/corpus \
+    common=(--config=configs/train_target.py --config.train.progress_bar=False)
+    timeout 500 $py -m experiments.train_tokenizer "${common[@]}" --config.workdir=$corpus \
       >"$out/sweep_corpus.log" 2>&1
-    for point in ${POINTS:-384x8x1024 512x6x1408 320x12x896}; do
+    for point in ${POINTS:-384x6x1408 384x8x1024 384x10x768}; do
       IFS=x read -r h l i <<<"$point"
-      d=$w/$point-lr${LR:-1.5e-3}
+      d=$w/sweep/$point
       mkdir -p "$d"
-      ln -sfn "$PWD/$w/corpus/tokenizer.json" "$d/tokenizer.json"
-      ln -sfn "$PWD/$w/corpus/data" "$d/data"
+      ln -sfn "$(realpath "$corpus")/tokenizer.json" "$d/tokenizer.json"
+      ln -sfn "$(realpath "$corpus")/data" "$d/data"
       timeout $((t + 240)) $py -m experiments.train_target "${common[@]}" --config.workdir="$d" \
         --config.model.hidden_size=$h --config.model.num_layers=$l \
         --config.model.intermediate_size=$i --config.model.num_heads=$((h / 64)) \
-        --config.model.num_kv_heads=2 --config.model.head_dim=64 --config.train.lr=${LR:-1.5e-3} \
-        --config.train.time_budget_s=$t --config.train.num_steps=1000000 \
+        --config.model.num_kv_heads=2 --config.model.head_dim=64 \
+        --config.train.time_budget_s=$t --config.train.save_every=100000 \
         >"$out/sweep_$point.log" 2>&1
-      tail -n 1 "$out/sweep_$point.log" >>"$out/sweep.jsonl"
+      echo "{\"point\": \"$point\", \"result\": $(tail -n 1 "$out/sweep_$point.log" | grep '^{' || echo null)}" \
+        >>"$out/sweep.jsonl"
+    done
+    ;;
+  default_pair)  # the bundled pair end to end, ~24 min: longer than one call, so start it under
+                 # setsid and collect it with later calls. The sweep above, the target at the
+                 # point of lowest held-out loss (the config's time budget), the drafter (three
+                 # taps spread over the depth), installed into WORKDIR/default_model, then its
+                 # tokens/s here at batch 1 and 8 (float32, highest precision)
+    w=${WORKDIR:-out/default_pair}
+    WORKDIR=$w CORPUS=$w/main bash "$0" target_sweep "$out"
+    export PYTHONPATH=$PYTHONPATH:/tmp/site_sweep
+    read -r h l i <<<"$($py - "$out/sweep.jsonl" <<'EOF'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+best = min((r for r in rows if r["result"]), key=lambda r: r["result"]["best"]["loss"])
+print(*best["point"].split("x"))
+EOF
+)"
+    taps=$($py -c "import numpy as np; print(','.join(map(str, np.linspace(1, $l - 2, 3).round().astype(int))))")
+    echo "target ${h}x${l}x${i}, drafter taps $taps" >"$out/pick.txt"
+    TARGET_ARGS="--config.model.hidden_size=$h --config.model.num_layers=$l
+      --config.model.intermediate_size=$i --config.model.num_heads=$((h / 64))
+      --config.train.progress_bar=False" \
+    DRAFTER_ARGS="--config.drafter.target_layer_ids=$taps --config.train.progress_bar=False" \
+      WORKDIR=$w/main INSTALL=$w/default_model PY=$py bash experiments/train_default.sh \
+      >"$out/train_default.log" 2>&1
+    for b in 1 8; do
+      JAX_DEFAULT_MATMUL_PRECISION=highest timeout 200 $py -m experiments.eval_default \
+        --model_dir=$w/default_model --attention=pallas --batch_size=$b --num_prompts=8 \
+        --prompt_min=96 --prompt_max=96 --budgets=8,32,64 --perplexity=false --signatures=0 \
+        --out=$out/h200_b$b.json >"$out/h200_b$b.log" 2>&1
     done
     ;;
   mla)  # DeepSeek-V3 architecture, ~420 s: the Moonlight-16B-A3B shape (latent attention by
@@ -258,7 +289,7 @@ EOF
       --config.out_dir="$out/m8b" >"$out/m8b.log" 2>&1
     tar -C "$out" -czf "$out/m8b.tgz" m8b 2>/dev/null && rm -r "$out/m8b"
     ;;
-  *) echo "usage: $0 compile|step|step8|spec|quick|goals|results|int8|profile|profile_tp|kernel|sweep|gemm|tp|matrix|temperature|m8b|moe|moe_pairs|moe_decode|moe_loop|target_sweep|mla|mla8k|latent|kimi OUT" >&2
+  *) echo "usage: $0 compile|step|step8|spec|quick|goals|results|int8|profile|profile_tp|kernel|sweep|gemm|tp|matrix|temperature|m8b|moe|moe_pairs|moe_decode|moe_loop|target_sweep|default_pair|mla|mla8k|latent|kimi OUT" >&2
      exit 2 ;;
 esac
 ls -la "$out"
