@@ -228,7 +228,7 @@ def _forward_logits(params, token_ids, *, cfg):
   cache = decoder.init_target_cache(cfg, b, 0, params.embed.dtype)
   positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
   hidden, *_ = decoder.forward(params, cfg, token_ids, positions, cache,
-                               decoder.causal_mask(jnp.full((b,), t), t))
+                               decoder.causal_mask(jnp.full((b,), t), t), chain=True)
   return decoder.lm_head(params, hidden)
 
 

@@ -93,7 +93,7 @@ MUTATIONS = (
         "draft_rows_not_committed",
         "the decode step leaves the drafter's cache as it was (no rows, lengths not advanced)",
         "ddtree_jax/spec/decode.py",
-        "    draft_cache = decoder.commit(draft_cache, dk, dv, ident, count)\n",
+        "    draft_cache = decoder.commit(draft_cache, decoder.Pending(dk, dv), ident, count)\n",
         "    draft_cache = state.draft_cache\n",
         DRAFT_TESTS),
     Mutation(

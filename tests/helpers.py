@@ -152,14 +152,14 @@ def cached_decode_logits(target, prompt, greedy):
   cache = decoder.init_target_cache(cfg, 1, 64, jnp.float32)
   t = len(prompt)
   pos = jnp.arange(t)[None]
-  hidden, nk, nv, _ = decoder.forward(params, cfg, jnp.asarray(prompt)[None], pos, cache,
-                                    decoder.causal_mask(jnp.array([t]), t))
-  cache = decoder.commit(cache, nk, nv, pos, jnp.array([t]))
+  hidden, rows, _ = decoder.forward(params, cfg, jnp.asarray(prompt)[None], pos, cache,
+                                    decoder.causal_mask(jnp.array([t]), t), chain=True)
+  cache = decoder.commit(cache, rows, pos, jnp.array([t]))
   got = [decoder.lm_head(params, hidden[0, -1])]
   for tok in greedy[:-1]:
-    hidden, nk, nv, _ = decoder.forward(params, cfg, jnp.array([[tok]]), cache.lens[:, None],
+    hidden, rows, _ = decoder.forward(params, cfg, jnp.array([[tok]]), cache.lens[:, None],
                                       cache, jnp.ones((1, 1, 1), bool))
-    cache = decoder.commit(cache, nk, nv, jnp.zeros((1, 1), jnp.int32), jnp.array([1]))
+    cache = decoder.commit(cache, rows, jnp.zeros((1, 1), jnp.int32), jnp.array([1]))
     got.append(decoder.lm_head(params, hidden[0, 0]))
   return jnp.stack(got)
 

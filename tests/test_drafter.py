@@ -32,7 +32,7 @@ def _taps(target, prompt, layer_ids):
   t = len(prompt)
   cache = decoder.init_cache(target.config.num_layers, 1, target.config.num_kv_heads, 0,
                            target.config.head_dim, jnp.float32)
-  hidden, _, _, taps = decoder.forward(target.params, target.config, jnp.asarray([prompt]),
+  hidden, _, taps = decoder.forward(target.params, target.config, jnp.asarray([prompt]),
                                      jnp.arange(t)[None], cache,
                                      decoder.causal_mask(jnp.array([t]), t), layer_ids)
   bonus = int(jnp.argmax(decoder.lm_head(target.params, hidden[0, -1])))
@@ -84,9 +84,11 @@ def _np_rope(path, d, scaled=True):
   return np.array(out), att
 
 
-def _np_drafter(path, target_dir, taps, bonus, cfg, rope=None):
+def _np_drafter(path, target_dir, taps, bonus, cfg, rope=None, windows=(None, None)):
   """Float64 DFlash forward from the raw safetensors (PyTorch [out, in] layout); rope (inv_freq,
-  factor on cos / sin) for context and block rows alike, None: plain at cfg.rope_theta."""
+  factor on cos / sin) for context and block rows alike, None: plain at cfg.rope_theta; windows:
+  per layer W (keys more than W - 1 positions from the query masked, flash-attention's
+  symmetric window) or None."""
   w = {k: np.asarray(v, np.float64) for k, v in read_checkpoint_tensors(path).items()}
   tw = {k: np.asarray(v, np.float64) for k, v in read_checkpoint_tensors(target_dir).items()}
   eps, heads, kvh, hd = cfg.rms_norm_eps, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -115,6 +117,9 @@ def _np_drafter(path, target_dir, taps, bonus, cfg, rope=None):
     rep = heads // kvh
     k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
     s = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(hd)
+    if windows[l] is not None:
+      far = np.abs(pb[:, None] - np.concatenate([pc, pb])[None, :]) > windows[l] - 1
+      s = np.where(far[None], -np.inf, s)
     s = np.exp(s - s.max(-1, keepdims=True))
     o = np.einsum("hqk,khd->qhd", s / s.sum(-1, keepdims=True), v).reshape(bs, -1)
     x = x + o @ w[a + "self_attn.o_proj.weight"].T
@@ -133,6 +138,30 @@ def test_draft_logits_match_float64_numpy(pair, length):
   got = np.asarray(dj.draft_logits(target, drafter, prompt))
   assert got.shape == (5, 256)
   np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("use,window,types,want", [
+    (True, 4, ["sliding_attention", "full_attention"], (4, None)),
+    (True, 9, ["full_attention", "sliding_attention"], (None, 9)),
+    (False, 4, ["sliding_attention", "sliding_attention"], (None, None)),  # off: no window
+])
+def test_sliding_window_layers_match_float64_numpy(target, tmp_path, use, window, types, want):
+  """z-lab's sliding_attention drafter layers, read as transformers' Qwen3Config reads them
+  (the window only with use_sliding_window), each block query seeing the keys within W - 1
+  positions: the float64 oracle with those windows, and (with a window) not the full one."""
+  over = {"use_sliding_window": use, "sliding_window": window, "layer_types": types}
+  path = write_drafter(str(tmp_path / "d"), target.config, num_layers=2, block_size=6,
+                       mask_token_id=7, target_layer_ids=(1, 0), config_overrides=over)
+  drafter = dj.load_drafter(path, target)
+  assert tuple(drafter.config.layers.window(i) for i in range(2)) == want
+  prompt = list(np.random.default_rng(3).integers(2, 256, 23))
+  taps, bonus = _taps(target, prompt, drafter.config.target_layer_ids)
+  args = (path, os.path.join(FIXTURES, "qwen3_gqa"), taps, bonus, drafter.config.layers)
+  ref = _np_drafter(*args, windows=want)
+  got = np.asarray(dj.draft_logits(target, drafter, prompt))
+  np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+  if any(want):
+    assert not np.allclose(got, _np_drafter(*args), atol=1e-2 * np.abs(ref).max())
 
 
 def test_last_layer_tap_matches_the_reference_features(tmp_path):
@@ -169,7 +198,7 @@ def test_incremental_context_equals_from_scratch(pair):
       pos = jnp.arange(start, start + 8)[None]
       rows = jnp.pad(taps[:, start:start + n], ((0, 0), (0, 8 - n), (0, 0)))
       k, v = cfg.context(dp, rows, pos)
-      cache = decoder.commit(cache, k, v, jnp.arange(8)[None], jnp.array([n]))
+      cache = decoder.commit(cache, decoder.Pending(k, v), jnp.arange(8)[None], jnp.array([n]))
       start += n
     return cfg.draft(dp, target.params, cache, jnp.array([11]))
 

@@ -10,9 +10,10 @@ alone, with numpy, independent of the engine's loaders):
 Both reference.npz files hold `expert_l1_e0_gate`, the float32 weight HF's model ran with for
 layer 1 expert 0's gate_proj; unpacking the stored tensors here must give it bit for bit.
 
-The hybrid fixtures (qwen3_5_text, qwen3_next) hold Gated DeltaNet layers in the two tensor
-layouts (separate projections; fused in_proj_qkvz / in_proj_ba) where config.json's layer types
-say, and a reference whose greedy tokens are its decode logits' argmax.
+The hybrid fixtures (qwen3_5_text, qwen3_next, qwen3_5_moe_text) hold Gated DeltaNet layers in
+the two tensor layouts (separate projections; fused in_proj_qkvz / in_proj_ba) where
+config.json's layer types say, and a reference whose greedy tokens are its decode logits'
+argmax.
 """
 
 import json
@@ -202,14 +203,18 @@ def test_fp8_dequantizes_to_reference(fp8):
   _check_reference(ref, tensors["model.embed_tokens.weight"].shape[1])
 
 
-@pytest.mark.parametrize("name,fused", [("qwen3_5_text", False), ("qwen3_next", True)])
-def test_hybrid_fixtures_hold_both_layer_kinds(name, fused):
+LINEAR_THEN_FULL = ["linear_attention"] * 3 + ["full_attention"]
+
+
+@pytest.mark.parametrize("name,fused,kinds", [
+    ("qwen3_5_text", False, LINEAR_THEN_FULL), ("qwen3_next", True, LINEAR_THEN_FULL),
+    ("qwen3_5_moe_text", False, ["linear_attention", "full_attention"] * 2)])
+def test_hybrid_fixtures_hold_both_layer_kinds(name, fused, kinds):
   d = os.path.join(FIXTURES, name)
   with open(os.path.join(d, "config.json")) as f:
     cfg = json.load(f)
   tensors = read_safetensors(os.path.join(d, "model.safetensors"))
-  kinds = cfg["layer_types"]
-  assert kinds == ["linear_attention"] * 3 + ["full_attention"]
+  assert cfg["layer_types"] == kinds
   hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
   dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
   conv_dim = 2 * hk * dk + hv * dv

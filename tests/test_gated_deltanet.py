@@ -169,7 +169,7 @@ def test_layer_prefill_tree_and_commit_equal_the_token_loop():
     path = np.flatnonzero(anc[j])
     _close(out[j], _oracle(p, nodes[path], s1, w1)[0][-1], 1e-4)
   path = np.flatnonzero(anc[7])                       # 0 -> 1 -> 3 -> 6 -> 7
-  s2, w2 = gd.commit_tree(s1, w1, pending, parents, jnp.asarray(anc[7]), 7)
+  s2, w2 = gd.commit_tree(s1, w1, pending, jnp.asarray(anc[7]), 7)
   more = jnp.asarray(rng.normal(size=(5, HID)), jnp.float32)
   y3 = gd.prefill(p, DIMS, more, s2, w2, chunk=4)[0]
   want = _oracle(p, jnp.concatenate([nodes[path], more]), s1, w1)[0][-5:]

@@ -203,7 +203,7 @@ def _decode_time_logits(tparams, dparams, tokens, a, *, tcfg, dcfg):
   k, v = drafter_lib.context_kv(dparams, dcfg, taps, jnp.arange(s)[None])
   lc = dcfg.layers
   cache = decoder.init_cache(lc.num_layers, 1, lc.num_kv_heads, s, lc.head_dim, jnp.float32)
-  cache = decoder.commit(cache, k, v, jnp.arange(s)[None], jnp.reshape(a, (1,)))
+  cache = decoder.commit(cache, decoder.Pending(k, v), jnp.arange(s)[None], jnp.reshape(a, (1,)))
   return drafter_lib.draft_logits(dparams, dcfg, tparams, cache, tokens[a][None])[0]
 
 

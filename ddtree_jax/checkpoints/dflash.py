@@ -28,6 +28,8 @@ from ddtree_jax.models.drafter import (DrafterConfig, DrafterParams, default_tar
 # Drafter variants we refuse (until implemented) rather than run wrongly.
 _DRAFTER_VARIANT_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
                            "attention_sinks", "num_attention_sinks", "sliding_window_size")
+# transformers' Qwen3Config (z-lab's drafter config class) defaults for its window fields
+_HF_SLIDING_WINDOW, _HF_MAX_WINDOW_LAYERS = 4096, 28
 _DRAFTER_UNIT_FIELDS = ("input_embedding_scale", "output_multiplier")
 
 
@@ -68,8 +70,30 @@ def drafter_layers_config(cfg: dict[str, Any], source: str = "drafter") -> Model
   if rope_type == "yarn" and rope.get("original_max_position_embeddings") is None:
     rope["original_max_position_embeddings"] = cfg.get("max_position_embeddings", 32768)
     cfg = {**cfg, "rope_scaling": rope, "rope_parameters": None}
-  return decoder_config({**cfg, "model_type": "qwen3"}, source, qk_norm=True,
-                        rope_types=_DRAFTER_ROPE_TYPES)
+  # (decoder_config refuses use_sliding_window for targets; a drafter's is read by `windows`)
+  return decoder_config({**cfg, "model_type": "qwen3", "use_sliding_window": False}, source,
+                        qk_norm=True,
+                        rope_types=_DRAFTER_ROPE_TYPES, family_fields=lambda: windows(cfg, source),
+                        layer_kinds=("full_attention", "sliding_attention"))
+
+
+def windows(cfg: dict[str, Any], source: str) -> dict[str, Any]:
+  """The drafter layers' sliding windows as transformers' Qwen3Config reads them: the window is
+  `sliding_window` only when `use_sliding_window` (else none at all), and applies to the layers
+  that `layer_types` marks sliding_attention (by default those from `max_window_layers` on)."""
+  n = cfg.get("num_hidden_layers")
+  window = cfg.get("sliding_window", _HF_SLIDING_WINDOW) if cfg.get("use_sliding_window") else None
+  types = cfg.get("layer_types") or [
+      "sliding_attention" if window is not None and i >= cfg.get("max_window_layers",
+                                                                  _HF_MAX_WINDOW_LAYERS)
+      else "full_attention" for i in range(n or 0)]
+  if window is None or "sliding_attention" not in types:
+    return {}
+  if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+    raise ValueError(f"{source}: sliding_window must be a positive integer, got {window!r}")
+  if len(types) != n:
+    raise ValueError(f"{source}: layer_types lists {len(types)} layers, num_hidden_layers={n}")
+  return dict(layer_types=tuple(types), sliding_window=window)
 
 
 def drafter_config_from_hf(cfg: dict[str, Any], target: ModelConfig, source: str = "drafter",
@@ -101,8 +125,6 @@ def drafter_config_from_hf(cfg: dict[str, Any], target: ModelConfig, source: str
     raise ValueError("unsupported DFlash variant: final_logit_softcapping is set")
   if value("is_causal"):
     raise ValueError("unsupported DFlash variant: is_causal=true (DFlash blocks are non-causal)")
-  if cfg.get("use_sliding_window") or any(t != "full_attention" for t in cfg.get("layer_types") or []):
-    raise ValueError("unsupported DFlash variant: sliding-window drafter layers")
   layers = drafter_layers_config(cfg, source)
   if layers.hidden_size != target.hidden_size:
     raise ValueError(f"drafter hidden_size {layers.hidden_size} != target hidden_size "

@@ -31,7 +31,8 @@ def cache_layer(k_cache, v_cache, layer):
   return k_cache[layer], v_cache[layer]
 
 
-def attend_xla(q, k_cache, v_cache, prefix_len, k_new, v_new, new_mask, *, scale, layer=None):
+def attend_xla(q, k_cache, v_cache, prefix_len, k_new, v_new, new_mask, *, scale, layer=None,
+               prefix_from=None):
   """Plain-XLA masked attention, the reference for the Pallas kernel.
 
   Args:
@@ -42,6 +43,8 @@ def attend_xla(q, k_cache, v_cache, prefix_len, k_new, v_new, new_mask, *, scale
     k_new, v_new: [B, T, Hkv, D] keys/values of the new tokens.
     new_mask: [B, T, T] bool, new_mask[b, i, j]: query i may see new key j.
     scale: softmax scale (head_dim ** -0.5).
+    prefix_from: [B, T] int32 or None: query t sees prefix rows from prefix_from[b, t] on only
+      (a sliding window).
   Returns:
     [B, T, Hq, D] in q's dtype. Softmax statistics are float32.
   """
@@ -52,8 +55,10 @@ def attend_xla(q, k_cache, v_cache, prefix_len, k_new, v_new, new_mask, *, scale
   qg = q.reshape(b, t, hkv, g, d)
   s_pre = einsum_f32("btkgd,bksd->bkgts", qg, k_cache)
   s_new = einsum_f32("btkgd,bskd->bkgts", qg, k_new)
-  pre_ok = jnp.arange(s)[None, :] < prefix_len[:, None]  # [B, S]
-  s_pre = jnp.where(pre_ok[:, None, None, None, :], s_pre * scale, NEG_INF)
+  pre_ok = (jnp.arange(s)[None, :] < prefix_len[:, None])[:, None]  # [B, 1 or T, S]
+  if prefix_from is not None:
+    pre_ok = pre_ok & (jnp.arange(s)[None, None, :] >= prefix_from[:, :, None])
+  s_pre = jnp.where(pre_ok[:, None, None], s_pre * scale, NEG_INF)
   s_new = jnp.where(new_mask[:, None, None, :, :], s_new * scale, NEG_INF)
   scores = jnp.concatenate([s_pre, s_new], axis=-1)
   probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
@@ -98,13 +103,21 @@ def kv_rows(layer, cfg, kv, cos, sin):
 
 
 def attention_block(layer, cfg, x, h, cos, sin, k_cache, v_cache, prefix_len, new_mask, kernels,
-                    cache_layer=None):
+                    cache_layer=None, prefix_from=None):
   """Residual GQA sub-block over x with h = its input RMSNorm (`decoder.attention_block`'s
-  contract): -> x', the MLP's input norm of x' and the new rows' k, v [B, T, K, D]."""
-  q, k, v = kernels.project_qkv(layer, h, cos, sin, eps=cfg.rms_norm_eps)
+  contract): -> x', the MLP's input norm of x' and the new rows' k, v [B, T, K, D]. Gated
+  attention (Qwen3.5, Qwen3-Next) scales each head's output by sigmoid(h @ wq_gate) before o.
+  prefix_from [B, T]: each query's first visible prefix row (a sliding window: XLA's form)."""
+  # the Pallas q/k kernel rotates whole heads: partial rotary takes XLA's form
+  project = kernels.project_qkv if cfg.rope_dim == cfg.head_dim else project_norm_rope
+  q, k, v = project(layer, h, cos, sin, eps=cfg.rms_norm_eps)
   kw = {} if cache_layer is None else {"layer": cache_layer}
-  o = kernels.attend(q, k_cache, v_cache, prefix_len, k, v, new_mask,
-                     scale=cfg.attention_scale, **kw)
+  if prefix_from is not None:
+    kw["prefix_from"] = prefix_from
+  attend = kernels.attend if prefix_from is None else attend_xla
+  o = attend(q, k_cache, v_cache, prefix_len, k, v, new_mask, scale=cfg.attention_scale, **kw)
+  if layer.wq_gate is not None:
+    o = o * jax.nn.sigmoid(dense("bth,hnd->btnd", h, layer.wq_gate)).astype(o.dtype)
   x, h = kernels.residual_norm(x, *merge_heads(o, layer.wo), layer.post_norm,
                                eps=cfg.rms_norm_eps)
   return x, h, k, v

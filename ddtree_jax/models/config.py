@@ -10,14 +10,19 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ddtree_jax.models.gated_deltanet import GDNDims
 from ddtree_jax.models.moe import Routing
+
+# HF layer_types: attention, Gated DeltaNet, windowed attention (drafters: `window`)
+LAYER_KINDS = ("full_attention", "linear_attention", "sliding_attention")
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Architecture of a decoder of any family here (hashable: a jit static arg): Qwen3 and Llama-3
   (GQA attention, dense SwiGLU MLPs), Qwen3-MoE (softmax-routed experts in moe_layers), DeepSeek-V3
   / Kimi-K2 (multi-head latent attention when kv_lora_rank > 0, sigmoid group-limited routing,
-  shared experts). Fields a family lacks keep their defaults."""
+  shared experts), the Qwen3.5 / Qwen3-Next hybrids (Gated DeltaNet layers among gated
+  attention ones). Fields a family lacks keep their defaults."""
   model_type: str
   vocab_size: int
   hidden_size: int
@@ -60,8 +65,32 @@ class ModelConfig:
   qk_rope_head_dim: int = 0
   v_head_dim: int = 0
   rope_interleave: bool = False
+  # Hybrids (Qwen3.5, Qwen3-Next): layer i is a Gated DeltaNet layer of `gdn`'s widths when
+  # layer_types[i] is "linear_attention" (() : every layer attention). Their attention layers
+  # gate the output per head (attn_output_gate: q_proj also yields a sigmoid gate) and rotate the
+  # first partial_rotary_factor of each head's dims; their MoE layers add one shared expert of
+  # shared_expert_size behind a sigmoid gate.
+  layer_types: tuple[str, ...] = ()
+  gdn: GDNDims | None = None
+  attn_output_gate: bool = False
+  partial_rotary_factor: float = 1.0
+  shared_expert_size: int = 0
+  # A DFlash drafter's "sliding_attention" layers see only keys within sliding_window - 1
+  # positions of the query (`window`).
+  sliding_window: int = 0
 
   def __post_init__(self):
+    if self.layer_types:
+      if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= set(LAYER_KINDS):
+        raise ValueError(f"layer_types {self.layer_types} must give one of {LAYER_KINDS} for each "
+                         f"of the {self.num_layers} layers")
+      if "sliding_attention" in self.layer_types and self.sliding_window < 1:
+        raise ValueError("sliding_attention layers need a sliding_window >= 1")
+      if (self.gdn is None) == ("linear_attention" in self.layer_types):
+        raise ValueError("linear_attention layers need their Gated DeltaNet widths (gdn), and "
+                         "only they")
+    if not 0 < self.partial_rotary_factor <= 1:
+      raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor} must be in (0, 1]")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"num_attention_heads={self.num_heads} is not a multiple of "
                        f"num_key_value_heads={self.num_kv_heads}")
@@ -78,6 +107,34 @@ class ModelConfig:
     """Is layer `layer`'s MLP a mixture of experts?"""
     return layer in self.moe_layers
 
+  def is_recurrent(self, layer: int) -> bool:
+    """Is layer `layer` a Gated DeltaNet layer (a recurrent state, no KV rows)?"""
+    return bool(self.layer_types) and self.layer_types[layer] == "linear_attention"
+
+  def window(self, layer: int) -> int | None:
+    """W of a sliding_attention layer (None: full): a query at position p sees the keys at
+    positions k with |p - k| < W, flash-attention's symmetric window (W - 1, W - 1) that the
+    DFlash reference asks for through transformers."""
+    if self.layer_types and self.layer_types[layer] == "sliding_attention":
+      return self.sliding_window
+    return None
+
+  @property
+  def attention_layers(self) -> tuple[int, ...]:
+    """Ids of the layers with KV rows, in order (the cache's k / v hold these)."""
+    return tuple(i for i in range(self.num_layers) if not self.is_recurrent(i))
+
+  @property
+  def recurrent_layers(self) -> tuple[int, ...]:
+    """Ids of the Gated DeltaNet layers, in order (the cache's state / window hold these)."""
+    return tuple(i for i in range(self.num_layers) if self.is_recurrent(i))
+
+  @property
+  def shared_width(self) -> int:
+    """The width of a MoE layer's always-on MLP beside its experts: Qwen's shared expert or
+    DeepSeek's n_shared experts as one (0: none)."""
+    return self.shared_expert_size or self.n_shared_experts * self.moe_intermediate_size
+
   @property
   def routing(self):
     """The MoE layers' `moe.Routing`."""
@@ -92,8 +149,9 @@ class ModelConfig:
 
   @property
   def rope_dim(self) -> int:
-    """Dims per head that RoPE rotates: qk_rope_head_dim (MLA) or head_dim."""
-    return self.qk_rope_head_dim if self.is_mla else self.head_dim
+    """Dims per head that RoPE rotates: qk_rope_head_dim (MLA), else head_dim times
+    partial_rotary_factor (the first ones; the rest pass through)."""
+    return self.qk_rope_head_dim if self.is_mla else int(self.head_dim * self.partial_rotary_factor)
 
   @property
   def cache_layout(self) -> tuple[int, int, int]:
@@ -214,7 +272,8 @@ def positive_float(cfg: dict[str, Any], key: str, source: str, default: float) -
 
 def decoder_config(cfg: dict[str, Any], source: str, *, qk_norm: bool,
                    rope_types: tuple[str, ...] = ("llama3",),
-                   family_fields: Callable[[], dict[str, Any]] = dict) -> ModelConfig:
+                   family_fields: Callable[[], dict[str, Any]] = dict,
+                   layer_kinds: tuple[str, ...] = ("full_attention",)) -> ModelConfig:
   """The ModelConfig of a config.json dict (`auto_map` and any code beside it never imported):
   the fields every family shares, checked, plus a family's own, which `family_fields()` parses
   once the shared ones are known to be there (ModelConfig fields; a head_dim among them replaces
@@ -227,9 +286,10 @@ def decoder_config(cfg: dict[str, Any], source: str, *, qk_norm: bool,
   if cfg.get("hidden_act", "silu") != "silu":
     raise ValueError(f"{source}: unsupported hidden_act {cfg['hidden_act']!r} (only 'silu')")
   layer_types = cfg.get("layer_types")
-  if layer_types and any(t != "full_attention" for t in layer_types):
-    raise ValueError(f"{source}: unsupported layer_types {sorted(set(layer_types))} (only "
-                     "full_attention)")
+  if layer_types is not None and (not isinstance(layer_types, list)
+                                  or any(t not in layer_kinds for t in layer_types)):
+    raise ValueError(f"{source}: unsupported layer_types {layer_types!r} (supported here: "
+                     f"{', '.join(layer_kinds)})")
   require_positive(cfg, source, "vocab_size", "hidden_size", "intermediate_size",
                    "num_hidden_layers", "num_attention_heads")
   heads = cfg["num_attention_heads"]
@@ -246,6 +306,11 @@ def decoder_config(cfg: dict[str, Any], source: str, *, qk_norm: bool,
          for e in eos):
     raise ValueError(f"{source}: eos_token_id {cfg.get('eos_token_id')!r} is not a token id in "
                      f"[0, {cfg['vocab_size']})")
+  partial = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}.get(
+      "partial_rotary_factor", cfg.get("partial_rotary_factor"))
+  if partial not in (None, 1, 1.0) and "partial_rotary_factor" not in fields:
+    raise ValueError(f"{source}: unsupported partial_rotary_factor={partial!r} for {model_type} "
+                     "(only its hybrids rotate part of each head)")
   try:
     theta, rope_type, scaling = rope_settings(cfg, rope_types)
   except ValueError as e:

@@ -1,8 +1,15 @@
-"""The decoder every family shares (Qwen3 dense or MoE, Llama-3, DeepSeek-V3 / Kimi-K2), as pure
-functions over a registered-dataclass params pytree. A decoder layer is an attention block and an
-MLP block, each of a layer kind chosen by its params: the attention GQA (`attention.py`) or
-multi-head latent attention (`mla.py`), the MLP a dense SwiGLU or a mixture of experts (`moe.py`;
-DeepSeek's shared experts are the layer's dense MLP beside its experts).
+"""The decoder every family shares (Qwen3 dense or MoE, Llama-3, DeepSeek-V3 / Kimi-K2, the
+Qwen3.5 / Qwen3-Next hybrids), as pure functions over a registered-dataclass params pytree. A
+decoder layer is a mixer block and an MLP block, each of a layer kind chosen by its params: the
+mixer GQA attention (`attention.py`), multi-head latent attention (`mla.py`) or Gated DeltaNet
+(`gated_deltanet.py`), the MLP a dense SwiGLU or a mixture of experts (`moe.py`; shared experts
+are the layer's dense MLP beside its experts).
+
+Each mixer kind owns its part of the cache and implements the same three operations: prefill (a
+prompt), verify (a draft tree: its positions and ancestor-or-self visibility) and commit (the
+accepted rows). `forward` runs the first two and returns a `Pending` of the new rows; `commit`
+keeps the accepted ones. Attention keeps K/V rows (`KVCache.k` / `v`), Gated DeltaNet a state and
+a convolution window per sequence (`KVCache.state` / `window`).
 
 Shapes: B batch, T new tokens, H hidden, N query heads, K kv heads, D head_dim, I MLP width,
 V vocab, S cache capacity. Weights are stored [in, out] (x @ W), split by head for sharding.
@@ -19,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from ddtree_jax import kernels as kernels_lib
 from ddtree_jax.models import attention as attention_lib
+from ddtree_jax.models import gated_deltanet as gdn_lib
 from ddtree_jax.models import mla as mla_lib
 from ddtree_jax.models import moe as moe_lib
 from ddtree_jax.models.config import ModelConfig
@@ -46,6 +54,9 @@ class LayerParams:
   wqkv: Array | None = None
   moe: moe_lib.MoEParams | None = None  # the experts of a MoE layer (its MLP block)
   mla: mla_lib.MLAParams | None = None  # latent attention (then wq, wkv, wo, norms are None)
+  gdn: gdn_lib.GDNParams | None = None  # a Gated DeltaNet mixer (then attention's are None)
+  wq_gate: Array | None = None  # [H, N, D]: gated attention's output gate, sigmoid(h @ wq_gate)
+  shared_gate: Array | None = None  # [H]: the shared expert's gate, sigmoid(h . shared_gate)
 
   def partition_specs(self, axes) -> LayerParams:
     """Query and kv heads over tp (wq, wkv split on heads, wo row-parallel), the MLP width over
@@ -61,6 +72,11 @@ class LayerParams:
       mlp = dict(w_gate_up=weight_spec(self.w_gate_up, None, None, ml),
                  w_down=weight_spec(self.w_down, ml, None))
     moe = None if self.moe is None else self.moe.partition_specs(axes)
+    if self.shared_gate is not None:
+      mlp["shared_gate"] = P()
+    if self.gdn is not None:
+      return LayerParams(input_norm=P(), wq=None, wkv=None, wo=None, q_norm=None, k_norm=None,
+                         post_norm=P(), gdn=self.gdn.partition_specs(axes), moe=moe, **mlp)
     if self.mla is not None:
       return LayerParams(input_norm=P(), wq=None, wkv=None, wo=None, q_norm=None, k_norm=None,
                          post_norm=P(), mla=self.mla.partition_specs(axes), moe=moe, **mlp)
@@ -69,7 +85,9 @@ class LayerParams:
     return LayerParams(input_norm=P(), wq=weight_spec(self.wq, None, hd, None),
                        wkv=weight_spec(self.wkv, None, None, kv, None),
                        wo=weight_spec(self.wo, hd, None, None), q_norm=opt(self.q_norm),
-                       k_norm=opt(self.k_norm), post_norm=P(), moe=moe, **mlp)
+                       k_norm=opt(self.k_norm), post_norm=P(), moe=moe,
+                       wq_gate=None if self.wq_gate is None else weight_spec(self.wq_gate, None,
+                                                                             hd, None), **mlp)
 
 
 def fuse_qkv(params: Params) -> Params:
@@ -80,7 +98,7 @@ def fuse_qkv(params: Params) -> Params:
   sharded on their own axes (`sharding.py` refuses fused weights, and this refuses sharded
   ones). Fused layers are kept. `hf.load_target` builds the same layout on the host."""
   def fuse(layer):
-    if layer.wqkv is not None or layer.mla is not None:  # (latent attention has no q/k/v)
+    if layer.wqkv is not None or layer.mla is not None or layer.gdn is not None:  # no q/k/v
       return layer
     if layer.wq is None or layer.wkv is None:
       raise ValueError("fuse_qkv: a layer has neither wqkv nor both wq and wkv")
@@ -138,14 +156,18 @@ class Params:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-  """K/V of committed tokens, every layer in one array; rows [0, lens[b]) of sequence b are valid.
+  """The committed tokens of every layer: K/V rows of the La attention layers, rows [0, lens[b])
+  of sequence b valid; and for the Lr Gated DeltaNet layers of a hybrid, each sequence's state
+  after its last committed token and the last K - 1 convolution inputs.
 
   One array per K and V (not one per layer), so a step commits all layers in one scatter, not
-  two per layer (docs/findings/fused-glue-kernels.md). Attention reads layer i straight
-  from it (`layer=i`)."""
-  k: Array                 # [L, B, K, S, D]
-  v: Array                 # [L, B, K, S, D]
+  two per layer (docs/findings/fused-glue-kernels.md). Attention reads its layer straight
+  from it (`layer=` its index among the attention layers)."""
+  k: Array                 # [La, B, K, S, D]
+  v: Array                 # [La, B, K, S, D]
   lens: Array              # [B] int32
+  state: Array | None = None   # [Lr, B, Hv, dk, dv] float32
+  window: Array | None = None  # [Lr, B, K-1, C]
 
   @property
   def capacity(self) -> int:
@@ -157,7 +179,18 @@ class KVCache:
     bt = axes("batch", self.lens.shape[0], "batch")
     kv = None if self.v.shape[-1] == 0 else axes("kv_heads", self.k.shape[2], "kv heads")
     spec = P(None, bt, kv, None, None)
-    return KVCache(k=spec, v=spec, lens=P(bt))
+    rec = lambda x: None if x is None else P(None, bt, *[None] * (x.ndim - 2))
+    return KVCache(k=spec, v=spec, lens=P(bt), state=rec(self.state), window=rec(self.window))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Pending:
+  """A forward's new rows, not yet committed: k, v [B, T, K, D] per attention layer, and per
+  Gated DeltaNet layer its `gated_deltanet.Pending` (a tree) or `Prefilled` (a prompt)."""
+  k: list
+  v: list
+  recurrent: list = dataclasses.field(default_factory=list)
 
 
 def init_cache(num_layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int,
@@ -170,18 +203,33 @@ def init_cache(num_layers: int, batch: int, kv_heads: int, capacity: int, head_d
 
 def init_target_cache(cfg: ModelConfig, batch: int, capacity: int, dtype) -> KVCache:
   """The target's cache (`ModelConfig.cache_layout`): GQA k and v, or MLA's latent rows in k
-  (v empty: the latent is the value too)."""
+  (v empty: the latent is the value too), for its attention layers; a hybrid's Gated DeltaNet
+  layers start from a zero state and window."""
   heads, k_dim, v_dim = cfg.cache_layout
-  return init_cache(cfg.num_layers, batch, heads, capacity, k_dim, dtype, v_dim)
+  cache = init_cache(len(cfg.attention_layers), batch, heads, capacity, k_dim, dtype, v_dim)
+  if not cfg.recurrent_layers:
+    return cache
+  d, lr = cfg.gdn, len(cfg.recurrent_layers)
+  return dataclasses.replace(
+      cache, state=jnp.zeros((lr, batch, d.value_heads, d.key_dim, d.value_dim), jnp.float32),
+      window=jnp.zeros((lr, batch, d.conv_kernel - 1, d.conv_dim), dtype))
 
 
-def commit(cache: KVCache, new_k, new_v, src, count) -> KVCache:
-  """Appends selected new rows to every layer's cache, in place when donated.
+def commit(cache: KVCache, pending: Pending, src, count) -> KVCache:
+  """Keeps the accepted new rows of every layer, in place when donated.
 
-  new_k/new_v: per layer [B, T, K, D]; src [B, R] int32 rows of the new block to keep, in order;
-  count [B] int32 <= R: how many of them are committed. Row r goes to cache row lens + r; rows
-  r >= count get an out-of-range index and are dropped (never clamped onto other rows).
+  pending: a forward's new rows; src [B, R] int32 rows of the new block to keep, in path order;
+  count [B] int32 <= R: how many of them are committed. Attention: row r goes to cache row
+  lens + r; rows r >= count get an out-of-range index and are dropped (never clamped onto other
+  rows). Gated DeltaNet: the state and window after the last kept row.
   """
+  state, window = cache.state, cache.window
+  if pending.recurrent:
+    kept = [gdn_lib.commit_block(state[i], window[i], p, src, count)
+            for i, p in enumerate(pending.recurrent)]
+    state, window = (jnp.stack(x).astype(y.dtype) for x, y in zip(zip(*kept), (state, window)))
+  if not pending.k:
+    return dataclasses.replace(cache, lens=cache.lens + count, state=state, window=window)
   b, r = src.shape
   dst = cache.lens[:, None] + jnp.arange(r, dtype=jnp.int32)[None]
   dst = jnp.where(jnp.arange(r)[None] < count[:, None], dst, cache.capacity)
@@ -192,11 +240,13 @@ def commit(cache: KVCache, new_k, new_v, src, count) -> KVCache:
                      axis=2)  # [B, R, L, K, D]: the index dims (b, r) lead, as .at[] wants
     return buf.at[:, bi, :, dst].set(rows.astype(buf.dtype), mode="drop")
 
-  return KVCache(k=put(cache.k, new_k), v=put(cache.v, new_v), lens=cache.lens + count)
+  return KVCache(k=put(cache.k, pending.k), v=put(cache.v, pending.v), lens=cache.lens + count,
+                 state=state, window=window)
 
 
 def attention_block(layer, cfg, x, h, cos, sin, k_cache, v_cache, prefix_len, new_mask,
-                    kernels: kernels_lib.Kernels = kernels_lib.REFERENCE, cache_layer=None):
+                    kernels: kernels_lib.Kernels = kernels_lib.REFERENCE, cache_layer=None,
+                    **window):
   """Residual attention sub-block over x with h = its input RMSNorm. Returns x', the MLP's input
   norm of x' and the new rows' k, v [B, T, K, D].
 
@@ -204,7 +254,7 @@ def attention_block(layer, cfg, x, h, cos, sin, k_cache, v_cache, prefix_len, ne
   A latent-attention layer reads its latent rows from k_cache (`mla.attention_block`)."""
   kind = attention_lib if layer.mla is None else mla_lib
   return kind.attention_block(layer, cfg, x, h, cos, sin, k_cache, v_cache, prefix_len, new_mask,
-                              kernels, cache_layer)
+                              kernels, cache_layer, **window)
 
 
 def mlp_block(layer, cfg, x, h, next_norm, kernels: kernels_lib.Kernels = kernels_lib.REFERENCE):
@@ -213,9 +263,12 @@ def mlp_block(layer, cfg, x, h, next_norm, kernels: kernels_lib.Kernels = kernel
   if layer.moe is not None:
     b, t, hid = h.shape
     y = kernels.moe(layer.moe, h.reshape(b * t, hid), routing=cfg.routing).reshape(b, t, hid)
-    if layer.w_gate_up is not None:  # DeepSeek's shared experts: one dense SwiGLU
+    if layer.w_gate_up is not None:  # shared experts: one dense SwiGLU (Qwen's gated)
       gu = dense("bth,hsi->btsi", h, layer.w_gate_up)
-      y = y + dense("bti,ih->bth", jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1], layer.w_down)
+      shared = dense("bti,ih->bth", jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1], layer.w_down)
+      if layer.shared_gate is not None:
+        shared = shared * jax.nn.sigmoid(dense("bth,h->bt", h, layer.shared_gate))[..., None]
+      y = y + shared
     x = x + y.astype(x.dtype)
     return x, rms_norm(x, next_norm, cfg.rms_norm_eps)
   gu = dense("bth,hsi->btsi", h, layer.w_gate_up)
@@ -223,53 +276,82 @@ def mlp_block(layer, cfg, x, h, next_norm, kernels: kernels_lib.Kernels = kernel
                                layer.w_down, next_norm, eps=cfg.rms_norm_eps)
 
 
+def recurrent_block(layer, cfg, x, h, positions, new_mask, state, window, chain: bool):
+  """Residual Gated DeltaNet sub-block over x with h = its input RMSNorm (`gated_deltanet.block`;
+  state [B, Hv, dk, dv], window [B, K-1, C] the committed ones) -> x', the MLP's input norm of
+  x' and the layer's pending rows."""
+  y, pending = gdn_lib.block(layer.gdn, cfg.gdn, h, positions, new_mask, state, window, chain)
+  x = x + y.astype(x.dtype)
+  return x, rms_norm(x, layer.post_norm, cfg.rms_norm_eps), pending
+
+
 def decoder_stack(layers, cfg, x, final_norm, cos, sin, k_cache, v_cache, prefix_len, new_mask,
-                  kernels: kernels_lib.Kernels = kernels_lib.REFERENCE, tap_layers=()):
+                  kernels: kernels_lib.Kernels = kernels_lib.REFERENCE, tap_layers=(), *,
+                  positions=None, state=None, window=None, chain: bool = False):
   """The decoder layers over x [B, T, H], each RMSNorm computed with the add before it.
 
-  k_cache/v_cache: stacked [L, B, K, S, D] (a KVCache's, read with `layer=i`) or lists of
-  per-layer caches [B, K, S, D].
-  Returns hidden [B, T, H] after final_norm, new_k/new_v per layer [B, T, K, D], and
-  {layer id: residual output [B, T, H]} for tap_layers: HF's hidden_states[id + 1], so the last
-  layer's tap is the state after final_norm (what DFlash drafters are trained on)."""
+  k_cache/v_cache: the attention layers' stacked [La, B, K, S, D] (a KVCache's, read with
+  `layer=`) or lists of per-layer caches [B, K, S, D]. Gated DeltaNet layers (hybrids) read
+  state / window (a KVCache's) and positions [B, T]; chain: the new tokens are a prompt (causal,
+  right-padded: chunked), else a tree of any shape. Sliding-window layers (drafters) read
+  positions too: prefix row r is at position r.
+  Returns hidden [B, T, H] after final_norm, the `Pending` new rows, and {layer id: residual
+  output [B, T, H]} for tap_layers: HF's hidden_states[id + 1], so the last layer's tap is the
+  state after final_norm (what DFlash drafters are trained on)."""
   stacked = not isinstance(k_cache, (list, tuple))
   h = rms_norm(x, layers[0].input_norm, cfg.rms_norm_eps)
-  new_k, new_v, taps = [], [], {}
+  pending, taps = Pending([], [], []), {}
   for i, layer in enumerate(layers):
-    kc, vc = (k_cache, v_cache) if stacked else (k_cache[i], v_cache[i])
-    x, h, k, v = attention_block(layer, cfg, x, h, cos, sin, kc, vc, prefix_len, new_mask,
-                                 kernels, cache_layer=i if stacked else None)
+    if layer.gdn is not None:
+      r = len(pending.recurrent)
+      x, h, rows = recurrent_block(layer, cfg, x, h, positions, new_mask, state[r], window[r],
+                                   chain)
+      pending.recurrent.append(rows)
+    else:
+      a = len(pending.k)
+      kc, vc = (k_cache, v_cache) if stacked else (k_cache[a], v_cache[a])
+      mask, sliding = new_mask, {}
+      if cfg.window(i):  # prefix rows are at their positions (a drafter's context)
+        w = cfg.window(i)
+        mask = new_mask & (jnp.abs(positions[:, :, None] - positions[:, None, :]) < w)
+        sliding = dict(prefix_from=positions - (w - 1))
+      x, h, k, v = attention_block(layer, cfg, x, h, cos, sin, kc, vc, prefix_len, mask,
+                                   kernels, cache_layer=a if stacked else None, **sliding)
+      pending.k.append(k)
+      pending.v.append(v)
     nxt = layers[i + 1].input_norm if i + 1 < len(layers) else final_norm
     x, h = mlp_block(layer, cfg, x, h, nxt, kernels)
-    new_k.append(k)
-    new_v.append(v)
     if i in tap_layers:
       taps[i] = h if i + 1 == len(layers) else x
-  return h, new_k, new_v, taps
+  return h, pending, taps
 
 
 def forward(params: Params, cfg: ModelConfig, tokens, positions, cache: KVCache, new_mask,
             tap_layers: tuple[int, ...] = (),
-            kernels: kernels_lib.Kernels = kernels_lib.REFERENCE):
-  """Target forward of new tokens over the cached prefix (the cache is not modified).
+            kernels: kernels_lib.Kernels = kernels_lib.REFERENCE, chain: bool = False):
+  """Target forward of new tokens over the committed ones (the cache is not modified).
 
   Args:
-    tokens, positions: [B, T] int32. new_mask: [B, T, T] bool visibility among the new tokens.
+    tokens, positions: [B, T] int32. new_mask: [B, T, T] bool visibility among the new tokens
+      (causal with padding for a prompt, ancestor-or-self for a tree).
     tap_layers: layer ids whose residual outputs are returned (HF hidden_states[id + 1]: after
       final_norm for the last layer).
     kernels: the implementations of attention, q/k/v projection + norm + RoPE, residual + norm
       and the embedding lookup (`kernels.Kernels`; plain XLA on one device by default).
+    chain: the new tokens are a right-padded prompt (new_mask causal): Gated DeltaNet layers
+      run their chunked form. Without it they treat the block as a tree, also correct.
   Returns:
-    hidden [B, T, H] after the final norm; new_k, new_v: per layer [B, T, K, D];
+    hidden [B, T, H] after the final norm; the `Pending` new rows (for `commit`);
     taps [B, T, len(tap_layers) * H] (concatenated in tap_layers order) or None.
   """
   x = kernels.embed(params.embed, tokens)
   cos, sin = rope_tables(cfg, positions, x.dtype)
-  hidden, new_k, new_v, taps = decoder_stack(params.layers, cfg, x, params.final_norm, cos, sin,
-                                             cache.k, cache.v, cache.lens, new_mask, kernels,
-                                             tap_layers)
+  hidden, pending, taps = decoder_stack(
+      params.layers, cfg, x, params.final_norm, cos, sin, cache.k, cache.v, cache.lens, new_mask,
+      kernels, tap_layers, positions=positions, state=cache.state, window=cache.window,
+      chain=chain)
   tapped = jnp.concatenate([taps[i] for i in tap_layers], axis=-1) if tap_layers else None
-  return hidden, new_k, new_v, tapped
+  return hidden, pending, tapped
 
 
 def lm_head(params: Params, hidden):
@@ -298,25 +380,31 @@ def init_params(cfg: ModelConfig, key, dtype=jnp.bfloat16, std: float = 0.02,
   ("float", "int4" or "fp8"), the first `held_experts` of them only when given
   (`moe.init_params`)."""
   h, n, k, d, i = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
-  keys = iter(jax.random.split(key, 8 * cfg.num_layers + 3))
+  keys = iter(jax.random.split(key, 9 * cfg.num_layers + 3))
   w = lambda *shape: random_weight(next(keys), shape, dtype, std)
   ones = lambda m: jnp.ones((m,), dtype)
 
   def mlp(layer):
     if not cfg.is_moe(layer):
       return dict(w_gate_up=w(h, 2, i), w_down=w(i, h))
-    shared = cfg.n_shared_experts * cfg.moe_intermediate_size
+    shared = cfg.shared_width
+    gate = dict(shared_gate=w(h)) if cfg.shared_expert_size else {}
     return dict(w_gate_up=w(h, 2, shared) if shared else None,
-                w_down=w(shared, h) if shared else None, moe=moe_lib.init_params(
+                w_down=w(shared, h) if shared else None, **gate, moe=moe_lib.init_params(
         jax.random.fold_in(key, 1 << 20 | layer), h, cfg.num_experts, cfg.moe_intermediate_size,
         dtype, std, bias=cfg.scoring_func == "sigmoid", experts=experts, held=held_experts))
 
   def attention(layer):
+    if cfg.is_recurrent(layer):
+      return dict(wq=None, wkv=None, wo=None, q_norm=None, k_norm=None, gdn=gdn_lib.init_params(
+          cfg.gdn, h, jax.random.fold_in(key, 1 << 22 | layer), dtype, std))
+    gate = dict(wq_gate=w(h, n, d)) if cfg.attn_output_gate else {}
     if cfg.is_mla:
       return dict(wq=None, wkv=None, wo=None, q_norm=None, k_norm=None, mla=mla_lib.init_params(
           cfg, jax.random.fold_in(key, 1 << 21 | layer), dtype, std))
     return dict(wq=w(h, n, d), wkv=w(h, 2, k, d), wo=w(n, d, h),
-                q_norm=ones(d) if cfg.qk_norm else None, k_norm=ones(d) if cfg.qk_norm else None)
+                q_norm=ones(d) if cfg.qk_norm else None, k_norm=ones(d) if cfg.qk_norm else None,
+                **gate)
   layers = [LayerParams(input_norm=ones(h), post_norm=ones(h), **attention(layer), **mlp(layer))
             for layer in range(cfg.num_layers)]
   return Params(embed=w(cfg.vocab_size, h), layers=layers, final_norm=ones(h),

@@ -159,9 +159,9 @@ def draft_logits(params: DrafterParams, cfg: DrafterConfig, target_params: decod
   positions = cache.lens[:, None] + jnp.arange(bs, dtype=jnp.int32)[None]
   cos, sin = rope_tables(lc, positions, x.dtype)
   full = jnp.ones((b, bs, bs), bool)
-  hidden, _, _, _ = decoder.decoder_stack(params.layers, lc, x, params.final_norm, cos, sin,
-                                          cache.k,
-                                        cache.v, cache.lens, full, kernels)
+  hidden, _, _ = decoder.decoder_stack(params.layers, lc, x, params.final_norm, cos, sin,
+                                       cache.k, cache.v, cache.lens, full, kernels,
+                                       positions=positions)
   hidden = hidden[:, 1:]
   if params.lm_head is not None:
     logits = dense("bjh,hv->bjv", hidden, params.lm_head, jnp.float32)

@@ -33,7 +33,9 @@ k L2-normed (q also scaled by dk^-0.5) and repeated from the key heads to the va
 head h reads key head h // r), beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias), then
 per value head an RMSNorm of the output gated by silu(z), and the out projection. `prefill` runs
 it over a prompt (chunked), `tree_forward` over a draft tree, `commit_tree` keeps the accepted
-path's state and window.
+path's state and window. `block` / `commit_block` are the same over a batch, in the decoder's
+terms (positions and a visibility mask, as attention gets; the accepted rows as `decoder.commit`
+gets them).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import dataclasses
 import jax
 import numpy as np
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 Array = jax.Array
 F32 = jnp.float32
@@ -180,6 +183,10 @@ class GDNParams:
   norm: Array      # [dv]: the gated RMSNorm's weight (1 is identity: not zero-centred)
   w_out: Array     # [Hv dv, H]
 
+  def partition_specs(self, axes) -> GDNParams:
+    """Replicated: every device runs the whole layer (its heads are not split over tp)."""
+    return jax.tree.map(lambda _: P(), self)
+
 
 @dataclasses.dataclass(frozen=True)
 class GDNDims:
@@ -189,17 +196,32 @@ class GDNDims:
   key_dim: int
   value_dim: int
   eps: float = 1e-6     # the gated RMSNorm's (the L2 norm's is 1e-6 always)
+  conv_kernel: int = 4  # K: the window holds the last K - 1 inputs
+
+  @property
+  def conv_dim(self) -> int:
+    """C, the convolved channels: q | k | v."""
+    return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Pending:
   """What a verified tree leaves for `commit_tree`: the nodes' convolution inputs [N, C], keys
-  [N, Hv, dk] (normed), deltas [N, Hv, dv] and summed decays G [N, Hv]."""
+  [N, Hv, dk] (normed), deltas [N, Hv, dv], summed decays G [N, Hv] and parents [N]."""
   inputs: Array
   k: Array
   delta: Array
   big_g: Array
+  parents: Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Prefilled:
+  """What a prompt leaves: the state [Hv, dk, dv] and window [K-1, C] after its last token."""
+  state: Array
+  window: Array
 
 
 def _l2norm(x):
@@ -229,30 +251,89 @@ def _output(p: GDNParams, d: GDNDims, x, o):
   return y.astype(x.dtype).reshape(x.shape[0], -1) @ p.w_out
 
 
-def prefill(p: GDNParams, d: GDNDims, x, state, window, chunk: int = 64):
+def prefill(p: GDNParams, d: GDNDims, x, state, window, valid=None, chunk: int = 64):
   """A prompt x [T, H] after the committed (state [Hv, dk, dv], window [K-1, C]) -> (y [T, H],
-  state, window)."""
-  chain = jnp.arange(x.shape[0]) - 1
+  state, window). valid [T] bool (right padding false): the state and window are those after
+  the last valid token (padding gets g = beta = 0, which leaves the state as it is)."""
+  t = x.shape[0]
+  chain = jnp.arange(t) - 1
   inputs = x @ p.w_qkv
   q, k, v, g, beta = _rule_inputs(p, d, x, tree_conv(inputs, chain, window, p.conv))
+  last = t - 1
+  if valid is not None:
+    g, beta = (jnp.where(valid[:, None], a, 0.0) for a in (g, beta))
+    last = jnp.sum(valid) - 1
   o, state = chunked(q, k, v, g, beta, state, chunk)
-  return _output(p, d, x, o), state, commit_window(window, inputs, chain, x.shape[0] - 1)
+  return _output(p, d, x, o), state, commit_window(window, inputs, chain, last)
 
 
-def tree_forward(p: GDNParams, d: GDNDims, x, parents, state, window):
-  """Draft-tree nodes x [N, H] (parents [N], parents first; -1 hangs off the committed state)
-  -> (y [N, H], Pending): each node's output is the layer's along its own root path."""
+def tree_forward(p: GDNParams, d: GDNDims, x, parents, state, window, ancestors=None):
+  """Draft-tree nodes x [N, H] (parents [N], parents first; -1 hangs off the committed state;
+  ancestors [N, N] = `ancestors_of(parents)` when known) -> (y [N, H], Pending): each node's
+  output is the layer's along its own root path."""
   inputs = x @ p.w_qkv
   q, k, v, g, beta = _rule_inputs(p, d, x, tree_conv(inputs, parents, window, p.conv))
-  o, delta, big_g = tree(q, k, v, g, beta, state, ancestors_of(parents))
-  return _output(p, d, x, o), Pending(inputs, k, delta, big_g)
+  anc = ancestors_of(parents) if ancestors is None else ancestors
+  o, delta, big_g = tree(q, k, v, g, beta, state, anc)
+  return _output(p, d, x, o), Pending(inputs, k, delta, big_g, parents)
 
 
-def commit_tree(state, window, pending: Pending, parents, path, last):
+def commit_tree(state, window, pending: Pending, path, last):
   """(state, window) after the accepted root path (path [N] bool, its deepest node `last`; -1:
   none) of a verified tree, from its Pending: no node is recomputed."""
   return (commit(state, pending.k, pending.delta, pending.big_g, path, last),
-          commit_window(window, pending.inputs, parents, last))
+          commit_window(window, pending.inputs, pending.parents, last))
+
+
+def parents_of(positions, visible):
+  """positions [N], visible [N, N] (ancestor-or-self, as attention's mask) -> parents [N]: the
+  visible node one position back (-1: none, the node continues the committed state)."""
+  back = visible & (positions[None, :] == positions[:, None] - 1)
+  return jnp.where(jnp.any(back, axis=1), jnp.argmax(back, axis=1), -1).astype(jnp.int32)
+
+
+def block(p: GDNParams, d: GDNDims, x, positions, visible, state, window, chain: bool,
+          chunk: int = 64):
+  """The layer over a batch: x [B, T, H], positions [B, T], visible [B, T, T] (a causal mask with
+  padding when `chain`, a draft tree's ancestor-or-self visibility otherwise), the committed
+  state [B, Hv, dk, dv] and window [B, K-1, C] -> (y [B, T, H], Prefilled (chain: a prompt,
+  chunked) or Pending (a tree) per row)."""
+  if chain:
+    valid = jnp.diagonal(visible, axis1=1, axis2=2)
+    y, s, w = jax.vmap(lambda *a: prefill(p, d, *a, chunk=chunk))(x, state, window, valid)
+    return y, Prefilled(s, w)
+  parents = jax.vmap(parents_of)(positions, visible)
+  return jax.vmap(lambda x, par, s, w, vis: tree_forward(p, d, x, par, s, w, vis))(
+      x, parents, state, window, visible)
+
+
+def commit_block(state, window, pending, src, count):
+  """(state [B, Hv, dk, dv], window [B, K-1, C]) after each row's accepted rows: src [B, R] the
+  verified rows kept, in path order, count [B] how many (`decoder.commit`'s arguments). A
+  Prefilled block holds them already (src, count: the prompt's rows)."""
+  if isinstance(pending, Prefilled):
+    return pending.state, pending.window
+  b, n = pending.big_g.shape[:2]
+  kept = jnp.arange(src.shape[1])[None] < count[:, None]
+  path = jnp.zeros((b, n), bool).at[jnp.arange(b)[:, None], src].max(kept)
+  last = jnp.where(count > 0, jnp.take_along_axis(src, jnp.maximum(count - 1, 0)[:, None],
+                                                  axis=1)[:, 0], -1)
+  return jax.vmap(commit_tree)(state, window, pending, path, last)
+
+
+def init_params(d: GDNDims, hidden: int, key, dtype, std: float = 0.02) -> GDNParams:
+  """Random weights (benchmarks and tests): decays as HF initialises them, the convolution at
+  PyTorch's scale for its fan-in K."""
+  ks = jax.random.split(key, 7)
+  w = lambda k, *shape: (std * jax.random.normal(k, shape, F32)).astype(dtype)
+  hv, c = d.value_heads, d.conv_dim
+  conv = jax.random.normal(ks[4], (d.conv_kernel, c)) * d.conv_kernel ** -0.5
+  return GDNParams(
+      w_qkv=w(ks[0], hidden, c), w_z=w(ks[1], hidden, hv * d.value_dim), w_b=w(ks[2], hidden, hv),
+      w_a=w(ks[3], hidden, hv), conv=conv.astype(dtype),
+      dt_bias=jnp.ones((hv,), dtype),
+      a_log=jnp.log(jax.random.uniform(ks[5], (hv,), F32, 0.01, 16.0)).astype(dtype),
+      norm=jnp.ones((d.value_dim,), dtype), w_out=w(ks[6], hv * d.value_dim, hidden))
 
 
 def unfuse_qwen3_next(w_qkvz, w_ba, d: GDNDims) -> dict[str, np.ndarray]:

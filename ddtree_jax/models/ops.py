@@ -157,7 +157,11 @@ def rope_tables(cfg, positions, dtype):
 
 
 def apply_rope(x, cos, sin):
-  """x [B, T, heads, D] rotated by cos/sin [B, T, D]."""
+  """x [B, T, heads, D] rotated by cos/sin [B, T, R]: its first R <= D dims (partial rotary:
+  the others pass as they are)."""
+  r = cos.shape[-1]
+  if r < x.shape[-1]:
+    return jnp.concatenate([apply_rope(x[..., :r], cos, sin), x[..., r:]], axis=-1)
   half = x.shape[-1] // 2
   rot = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
   return x * cos[:, :, None] + rot * sin[:, :, None]

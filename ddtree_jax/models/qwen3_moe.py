@@ -23,9 +23,11 @@ _MOE_REFUSE = ("shared_expert_intermediate_size", "n_shared_experts", "num_share
                "scoring_func", "topk_method", "n_group", "topk_group", "routed_scaling_factor")
 
 
-def moe_settings(cfg: dict[str, Any], source: str) -> dict[str, Any]:
-  """The MoE fields of ModelConfig from a qwen3_moe config.json."""
-  for key in _MOE_REFUSE:
+def moe_settings(cfg: dict[str, Any], source: str, shared_expert: bool = False) -> dict[str, Any]:
+  """The MoE fields of ModelConfig from a qwen3_moe config.json; shared_expert: the family has
+  one (Qwen3-Next, Qwen3.5-MoE: shared_expert_intermediate_size, behind a sigmoid gate)."""
+  refuse = _MOE_REFUSE[1:] if shared_expert else _MOE_REFUSE
+  for key in refuse:
     if cfg.get(key):
       raise ValueError(f"{source}: unsupported mixture-of-experts field {key}={cfg[key]!r} "
                        "(Qwen3-MoE has no shared expert and routes by softmax top-k)")
@@ -40,7 +42,9 @@ def moe_settings(cfg: dict[str, Any], source: str) -> dict[str, Any]:
   if not isinstance(dense, list) or not all(isinstance(i, int) and 0 <= i < n for i in dense):
     raise ValueError(f"{source}: mlp_only_layers {dense!r} must list layers in [0, {n})")
   layers = tuple(i for i in range(n) if i not in dense and (i + 1) % step == 0)
-  return dict(num_experts=experts, num_experts_per_tok=top_k,
+  shared = dict(shared_expert_size=positive_int(cfg, "shared_expert_intermediate_size", source)
+                ) if shared_expert else {}
+  return dict(num_experts=experts, num_experts_per_tok=top_k, **shared,
               moe_intermediate_size=positive_int(cfg, "moe_intermediate_size", source),
               norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), moe_layers=layers)
 

@@ -39,8 +39,10 @@ def insert(state: decode.DecodeState, one: decode.DecodeState, slot):
     return jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), slot, axis)
 
   def cache(big, small):
+    rec = lambda b, s: None if b is None else put(b, s, 1)
     return dataclasses.replace(big, k=put(big.k, small.k, 1), v=put(big.v, small.v, 1),
-                               lens=put(big.lens, small.lens, 0))
+                               lens=put(big.lens, small.lens, 0),
+                               state=rec(big.state, small.state), window=rec(big.window, small.window))
   return dataclasses.replace(
       state, cache=cache(state.cache, one.cache),
       draft_cache=None if state.draft_cache is None else cache(state.draft_cache,

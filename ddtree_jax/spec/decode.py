@@ -101,7 +101,7 @@ def _stop_and_emit(lc: LoopConfig, state: DecodeState, emitted, tau):
   return jnp.where(hit, jnp.argmax(is_stop, axis=1) + 1, count).astype(jnp.int32), hit
 
 
-def _advance(lc, dparams, dcfg, state, new_k, new_v, taps, src, emitted, tau, key):
+def _advance(lc, dparams, dcfg, state, pending, taps, src, emitted, tau, key):
   """Commits `count` rows (src [B, W] of the verified block) and emits their tokens."""
   count, hit = _stop_and_emit(lc, state, emitted, tau)
   draft_cache = state.draft_cache
@@ -110,8 +110,8 @@ def _advance(lc, dparams, dcfg, state, new_k, new_v, taps, src, emitted, tau, ke
     pos = draft_cache.lens[:, None] + jnp.arange(src.shape[1], dtype=jnp.int32)[None]
     dk, dv = dcfg.context(dparams, rows, pos)
     ident = jnp.broadcast_to(jnp.arange(src.shape[1], dtype=jnp.int32), src.shape)
-    draft_cache = decoder.commit(draft_cache, dk, dv, ident, count)
-  cache = decoder.commit(state.cache, new_k, new_v, src, count)
+    draft_cache = decoder.commit(draft_cache, decoder.Pending(dk, dv), ident, count)
+  cache = decoder.commit(state.cache, pending, src, count)
   b, w = emitted.shape
   r = jnp.arange(w, dtype=jnp.int32)[None]
   dst = jnp.where(r < count[:, None], state.n_out[:, None] + r, lc.max_new_tokens)
@@ -155,18 +155,17 @@ def verify_and_pick(tparams, tcfg, dcfg, lc: LoopConfig, state: DecodeState, tre
   """Target forward over the tree; the target's choice (argmax or sample) at every node:
   pick(logits [B, N, V], key) -> [B, N], by default `verify.pick` with lc's settings."""
   taps_at = () if dcfg is None else dcfg.target_layer_ids
-  logits, new_k, new_v, taps = verify.verify_tree(tparams, tcfg, state.cache, tree.tokens,
-                                                  tree.depths, tree.visibility, taps_at,
-                                                  lc.kernels)
+  logits, pending, taps = verify.verify_tree(tparams, tcfg, state.cache, tree.tokens,
+                                             tree.depths, tree.visibility, taps_at, lc.kernels)
   if pick is None:
     pick = lambda x, k: verify.pick(x, lc.temperature, k, lc.top_k, lc.top_p)
-  return pick(logits, key), new_k, new_v, taps
+  return pick(logits, key), pending, taps
 
 
-def accept_and_commit(dparams, dcfg, lc: LoopConfig, state, tree, post, new_k, new_v, taps, key):
+def accept_and_commit(dparams, dcfg, lc: LoopConfig, state, tree, post, pending, taps, key):
   path, tau, emitted = verify.accept(tree.tokens, tree.parents, tree.depths, tree.visibility,
                                      post, lc.num_drafts)
-  return _advance(lc, dparams, dcfg, state, new_k, new_v, taps, path, emitted, tau, key)
+  return _advance(lc, dparams, dcfg, state, pending, taps, path, emitted, tau, key)
 
 
 def _split_key(key):
@@ -189,10 +188,9 @@ def step(tparams, tcfg, dparams, dcfg, lc: LoopConfig, state: DecodeState,
   with jax.named_scope("tree"):
     tree = make_tree(lc, logits, state.bonus, None if dcfg is None else dcfg.vocab(dparams))
   with jax.named_scope("verify"):
-    post, new_k, new_v, taps = verify_and_pick(tparams, tcfg, dcfg, lc, state, tree, pick_key,
-                                               pick)
+    post, pending, taps = verify_and_pick(tparams, tcfg, dcfg, lc, state, tree, pick_key, pick)
   with jax.named_scope("accept_commit"):
-    return accept_and_commit(dparams, dcfg, lc, state, tree, post, new_k, new_v, taps, key)
+    return accept_and_commit(dparams, dcfg, lc, state, tree, post, pending, taps, key)
 
 
 @functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "lc", "capacity"))
@@ -211,10 +209,10 @@ def prefill_with(pick, tparams, dparams, tokens, lens, key, *, tcfg, dcfg, lc: L
   cache = sharding.constrain(cache, lc.mesh, lc.rules)
   positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
   taps_at = () if dcfg is None else dcfg.target_layer_ids
-  hidden, new_k, new_v, taps = decoder.forward(tparams, tcfg, tokens, positions, cache,
-                                             decoder.causal_mask(lens, t), taps_at,
-                                             lc.kernels.outside_verify)
-  cache = decoder.commit(cache, new_k, new_v, positions, lens)
+  hidden, pending, taps = decoder.forward(tparams, tcfg, tokens, positions, cache,
+                                          decoder.causal_mask(lens, t), taps_at,
+                                          lc.kernels.outside_verify, chain=True)
+  cache = decoder.commit(cache, pending, positions, lens)
   draft_cache = None
   if dcfg is not None:
     dl = dcfg.layers
@@ -222,7 +220,7 @@ def prefill_with(pick, tparams, dparams, tokens, lens, key, *, tcfg, dcfg, lc: L
     draft_cache = decoder.init_cache(dl.num_layers, b, dl.num_kv_heads, capacity, dl.head_dim,
                                    dk[0].dtype)
     draft_cache = sharding.constrain(draft_cache, lc.mesh, lc.rules)
-    draft_cache = decoder.commit(draft_cache, dk, dv, positions, lens)
+    draft_cache = decoder.commit(draft_cache, decoder.Pending(dk, dv), positions, lens)
   last = jnp.take_along_axis(hidden, (lens - 1)[:, None, None], axis=1)[:, 0]
   key, pick_key = jax.random.split(key)
   first = pick(decoder.lm_head(tparams, last), pick_key)

@@ -20,12 +20,12 @@ def verify_tree(params, cfg, cache, tokens, depths, visibility, tap_layers=(),
   """Target forward over tree nodes.
 
   tokens/depths: [B, N] int32; visibility: [B, N, N] bool.
-  Returns logits [B, N, V] float32, new_k/new_v per layer [B, N, K, D], taps [B, N, k*H] or None.
+  Returns logits [B, N, V] float32, the nodes' `decoder.Pending` rows, taps [B, N, k*H] or None.
   """
   positions = cache.lens[:, None] + depths
-  hidden, new_k, new_v, taps = decoder.forward(params, cfg, tokens, positions, cache, visibility,
-                                             tap_layers, kernels)
-  return decoder.lm_head(params, hidden), new_k, new_v, taps
+  hidden, pending, taps = decoder.forward(params, cfg, tokens, positions, cache, visibility,
+                                          tap_layers, kernels)
+  return decoder.lm_head(params, hidden), pending, taps
 
 
 def accept(tokens, parents, depths, visibility, post, max_depth: int):

@@ -45,12 +45,11 @@ def cross_entropy(logits, labels):
 def target_hidden(params: decoder.Params, cfg: ModelConfig, tokens, tap_layers=()):
   """Causal forward of [B, T] tokens at positions 0..T-1 through `decoder.forward` (empty cache)."""
   b, t = tokens.shape
-  cache = decoder.init_cache(cfg.num_layers, b, cfg.num_kv_heads, 0, cfg.head_dim,
-                           params.embed.dtype)
+  cache = decoder.init_target_cache(cfg, b, 0, params.embed.dtype)
   positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-  hidden, _, _, taps = decoder.forward(params, cfg, tokens, positions, cache,
-                                     decoder.causal_mask(jnp.full((b,), t, jnp.int32), t),
-                                     tuple(tap_layers))
+  hidden, _, taps = decoder.forward(params, cfg, tokens, positions, cache,
+                                    decoder.causal_mask(jnp.full((b,), t, jnp.int32), t),
+                                    tuple(tap_layers), chain=True)
   return hidden, taps
 
 
@@ -129,6 +128,8 @@ def drafter_block_logits(dparams: drafter_lib.DrafterParams, dcfg: drafter_lib.D
     raise ValueError("a drafter with its own lm_head (int8, or a restricted draft vocabulary) is "
                      "for inference: train the float drafter, then derive it")
   lc, bs = dcfg.layers, dcfg.block_size
+  if any(lc.window(i) for i in range(lc.num_layers)):
+    raise ValueError("training drafters with sliding-window layers is not implemented here")
   b, s = tokens.shape
   a = anchors.shape[1]
   ck, cv = drafter_lib.context_kv(dparams, dcfg, taps,
@@ -139,8 +140,8 @@ def drafter_block_logits(dparams: drafter_lib.DrafterParams, dcfg: drafter_lib.D
   x = tparams.embed[block.reshape(b, a * bs)].astype(dparams.hidden_norm.dtype)
   positions = (anchors[..., None] + jnp.arange(bs, dtype=jnp.int32)).reshape(b, a * bs)
   cos, sin = ops.rope_tables(lc, positions, x.dtype)
-  hidden, _, _, _ = decoder.decoder_stack(dparams.layers, lc, x, dparams.final_norm, cos, sin, ck, cv,
-                                        anchors, None, BlockKernels(block_size=bs))
+  hidden, _, _ = decoder.decoder_stack(dparams.layers, lc, x, dparams.final_norm, cos, sin, ck, cv,
+                                       anchors, None, BlockKernels(block_size=bs))
   hidden = hidden.reshape(b, a, bs, -1)[:, :, 1:]
   return decoder.lm_head(tparams, hidden.astype(tparams.embed.dtype))
 

@@ -214,7 +214,7 @@ def main(_):
 
       @functools.partial(jax.jit, static_argnums=0)
       def verify_forward(c, p, toks, pos, cache, mask):
-        hidden, _, _, _ = decoder.forward(p, c, toks, pos, cache, mask, kernels=kern)
+        hidden, _, _ = decoder.forward(p, c, toks, pos, cache, mask, kernels=kern)
         return jnp.argmax(decoder.lm_head(p, hidden), axis=-1)
 
       for t in harness.ints(FLAGS.verify_tokens):

@@ -4,7 +4,8 @@
   python -m experiments.perf.bench_step --small        # tiny shapes, runs on CPU (smoke)
   python -m experiments.perf.bench_step --mesh_tp=8    # tensor parallel (ar/spec sections)
 
-Prints, in one run: copy bandwidth; AR step vs the weight+KV bandwidth floor; per-step time of
+Prints, in one run: copy bandwidth; AR step vs the weight+KV bandwidth floor (a hybrid's: its
+attention layers' KV rows, and its Gated DeltaNet states read and written); per-step time of
 chain and DDTree by budget with the per-stage split (draft, tree, verify, accept+commit, each its
 own program); the while_loop driver vs a Python loop over the same jitted step. Medians of repeats;
 compile time reported separately (the programs of a group compile concurrently in threads, then
@@ -117,7 +118,8 @@ def main(_):
   bw = harness.copy_bandwidth(small)
   emit({"section": "copy", "bandwidth_GBps": bw / 1e9}, mesh)
   weight_bytes = decoder.param_bytes(tp) - tp.embed.size * tp.embed.dtype.itemsize
-  kv_row = 2 * tcfg.num_layers * tcfg.num_kv_heads * tcfg.head_dim * 2  # bytes per token per seq
+  kv_row = 2 * len(tcfg.attention_layers) * tcfg.num_kv_heads * tcfg.head_dim * 2  # per token, seq
+  state_bytes = harness.recurrent_bytes(tcfg)  # per seq and step: read and written
   steps = FLAGS.steps
 
   def loop_config(attn, **kw):
@@ -188,7 +190,7 @@ def main(_):
         per_round, per_call = harness.round_seconds(loop, case, long, long_case, FLAGS.repeats)
         row.update(round_ms=per_round * 1e3, per_call_ms=per_call * 1e3)
       if row["section"] == "ar":
-        floor = (weight_bytes + b * prefix * kv_row) / bw
+        floor = (weight_bytes + b * (prefix * kv_row + state_bytes)) / bw
         ar_ms[(row["attention"], b, prefix)] = s * 1e3
         ar_round[(row["attention"], b, prefix)] = row.get("round_ms")
         row.update(floor_ms=floor * 1e3, ratio_to_floor=s / floor)

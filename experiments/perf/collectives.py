@@ -252,7 +252,7 @@ def lower(p: Program):
                                                 else NamedSharding(mesh, P("dp" if dp else None)))
   if p.method == "forward":  # bench_moe's verify section: forward + lm_head + argmax
     def forward(tp, toks, pos, cache, mask):
-      hidden, _, _, _ = decoder.forward(tp, cfg, toks, pos, cache, mask, kernels=kern)
+      hidden, _, _ = decoder.forward(tp, cfg, toks, pos, cache, mask, kernels=kern)
       return jnp.argmax(decoder.lm_head(tp, hidden), axis=-1)
     return jax.jit(forward).lower(tparams, rows(jnp.int32, t), rows(jnp.int32, t), state.cache,
                                   rows(jnp.bool_, t, t))

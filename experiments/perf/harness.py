@@ -25,6 +25,7 @@ from ddtree_jax.models import decoder
 from ddtree_jax.tools import profiling
 from ddtree_jax.models.config import ModelConfig
 from ddtree_jax.models.drafter import DrafterConfig, DrafterParams, quantize_int8, restrict_vocab
+from ddtree_jax.models.gated_deltanet import GDNDims
 from ddtree_jax.kernels import KernelTuning
 
 
@@ -90,7 +91,7 @@ def latent_tuning(text: str, interpret=None) -> KernelTuning:
 
 
 SHAPES = ("qwen3-8b", "qwen3-32b", "qwen3-30b-a3b", "moonlight-16b-a3b", "kimi-k2-slice",
-          "kimi-k2.6")
+          "kimi-k2.6", "qwen3.5-9b", "qwen3.6-35b-a3b")
 KIMI_LAYERS = 61  # Kimi K2 / K2.5 / K2.6: the first dense, the other 60 MoE
 
 
@@ -104,8 +105,12 @@ def target_config(small: bool = False, shape: str = "qwen3-8b",
   first 4 layers: 1 dense, 3 of 384 + 1 shared experts of 2048, top-8; hidden 7168, 64 MLA
   heads, q_lora 1536; 107 GB in bf16) or Kimi K2.6 whole (the same layers, 61 of them, the first
   dense; `layers` cuts it to its first N: one GPU's share of it under 8-way expert parallelism
-  is random_target(..., experts="int4", held_experts=48)); small: a tiny one of the kind for CPU
-  smoke runs (24 experts of 32, hidden 64)."""
+  is random_target(..., experts="int4", held_experts=48)); the hybrids Qwen3.5-9B (32 layers,
+  every 4th gated attention of 16 / 4 heads of 256 with a quarter of each rotated, the others
+  Gated DeltaNet of 16 key / 32 value heads of 128, MLP 12288, hidden 4096, vocab 248320) and
+  Qwen3.6-35B-A3B (40 such layers at hidden 2048, 16 / 2 attention heads, 256 experts of 512,
+  top-8, and a shared expert of 512 behind its gate), as their model cards give them; small: a
+  tiny one of the kind for CPU smoke runs (24 experts of 32, hidden 64)."""
   if shape not in SHAPES:
     raise ValueError(f"unknown shape {shape!r}; choose one of {SHAPES}")
   if layers is not None and (shape != "kimi-k2.6" or layers < 2):
@@ -125,6 +130,8 @@ def target_config(small: bool = False, shape: str = "qwen3-8b",
                        q_lora_rank=32 if small else 1536, kv_lora_rank=32 if small else 512,
                        qk_nope_head_dim=16 if small else 128, qk_rope_head_dim=8 if small else 64,
                        v_head_dim=16 if small else 128)
+  if shape in ("qwen3.5-9b", "qwen3.6-35b-a3b"):
+    return _hybrid_config(small, moe=shape == "qwen3.6-35b-a3b")
   if shape == "moonlight-16b-a3b":  # DeepSeek-V3 architecture: MLA + DeepSeekMoE
     mla = dict(model_type="deepseek_v3", qk_norm=False, scoring_func="sigmoid",
                norm_topk_prob=True, rope_theta=5e4, max_position_embeddings=8192)
@@ -165,6 +172,36 @@ def target_config(small: bool = False, shape: str = "qwen3-8b",
                      head_dim=128, rope_theta=1e6, max_position_embeddings=40960)
 
 
+def _hybrid_config(small: bool, moe: bool) -> ModelConfig:
+  """Qwen3.5 / 3.6 shapes (`target_config`): every 4th layer gated attention."""
+  n = 4 if small else 40 if moe else 32
+  h = 64 if small else 2048 if moe else 4096
+  types = tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n))
+  gdn = GDNDims(key_heads=2 if small else 16, value_heads=4 if small else 32,
+                key_dim=16 if small else 128, value_dim=16 if small else 128)
+  experts = {} if not moe else dict(
+      num_experts=16 if small else 256, num_experts_per_tok=4 if small else 8,
+      moe_intermediate_size=32 if small else 512, shared_expert_size=32 if small else 512,
+      norm_topk_prob=True, moe_layers=tuple(range(n)))
+  return ModelConfig(model_type="qwen3_5_moe_text" if moe else "qwen3_5_text",
+                     vocab_size=512 if small else 248320, hidden_size=h,
+                     intermediate_size=128 if small else 12288, num_layers=n,
+                     num_heads=4 if small else 16, num_kv_heads=2 if small or moe else 4,
+                     head_dim=32 if small else 256, rope_theta=1e7, qk_norm=True,
+                     max_position_embeddings=262144, layer_types=types, gdn=gdn,
+                     attn_output_gate=True, partial_rotary_factor=0.25, **experts)
+
+
+def recurrent_bytes(cfg: ModelConfig) -> int:
+  """Bytes a step reads and writes per sequence in a hybrid's Gated DeltaNet layers: each
+  layer's float32 state in and out, and its bf16 convolution window (0 for other families)."""
+  if not cfg.recurrent_layers:
+    return 0
+  d = cfg.gdn
+  per_layer = d.value_heads * d.key_dim * d.value_dim * 4 + (d.conv_kernel - 1) * d.conv_dim * 2
+  return 2 * len(cfg.recurrent_layers) * per_layer
+
+
 def random_target(cfg: ModelConfig, key, mesh=None, fuse_qkv: bool = True, rules=None,
                   dtype=jnp.bfloat16, experts: str = "float",
                   held_experts: int | None = None) -> decoder.Params:
@@ -183,7 +220,10 @@ def drafter_config(tcfg: ModelConfig, small: bool = False, layers: int | None = 
   (its MLP of the target's intermediate_size; its kv heads the target's, or `kv_heads`), block
   16, tapping 5 (2) layers spread over the target's, or `taps` layers spread evenly over all
   of the target's (some tapped twice where it has fewer)."""
+  hybrid = dict(layer_types=(), gdn=None, attn_output_gate=False, partial_rotary_factor=1.0,
+                shared_expert_size=0)
   lcfg = dataclasses.replace(tcfg, model_type="qwen3", num_layers=layers or (2 if small else 5),
+                             **hybrid,
                              num_kv_heads=kv_heads or tcfg.num_kv_heads,
                              num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0,
                              norm_topk_prob=False, moe_layers=(), scoring_func="softmax",
@@ -191,7 +231,7 @@ def drafter_config(tcfg: ModelConfig, small: bool = False, layers: int | None = 
                              kv_lora_rank=0, qk_nope_head_dim=0, qk_rope_head_dim=0,
                              v_head_dim=0, qk_norm=True,
                              head_dim=16 if small and tcfg.is_mla else
-                             128 if tcfg.is_mla else tcfg.head_dim)
+                             128 if tcfg.is_mla or tcfg.gdn else tcfg.head_dim)
   n = tcfg.num_layers
   ids = (1, 2) if small else tuple(1 + i * (n - 4) // 4 for i in range(5))
   if taps:
@@ -239,13 +279,20 @@ def drafter_variants(dparams, tparams, names, mesh=None, rules=None) -> dict[str
 
 
 def random_cache(key, cfg: ModelConfig, batch: int, capacity: int, prefix: int) -> decoder.KVCache:
-  """A bf16 KV cache of random rows with `prefix` of them valid per sequence."""
+  """A bf16 KV cache of random rows with `prefix` of them valid per sequence (and a hybrid's
+  Gated DeltaNet layers a random state and window)."""
   heads, k_dim, v_dim = cfg.cache_layout  # (MLA: latent rows, no separate values)
-  shape = (cfg.num_layers, batch, heads, capacity)
-  kk, kv = jax.random.split(key)
-  return decoder.KVCache(k=jax.random.normal(kk, shape + (k_dim,), jnp.bfloat16),
-                       v=jax.random.normal(kv, shape + (v_dim,), jnp.bfloat16),
-                       lens=jnp.full((batch,), prefix, jnp.int32))
+  shape = (len(cfg.attention_layers), batch, heads, capacity)
+  kk, kv, ks, kw = jax.random.split(key, 4)
+  cache = decoder.KVCache(k=jax.random.normal(kk, shape + (k_dim,), jnp.bfloat16),
+                          v=jax.random.normal(kv, shape + (v_dim,), jnp.bfloat16),
+                          lens=jnp.full((batch,), prefix, jnp.int32))
+  if not cfg.recurrent_layers:
+    return cache
+  empty = decoder.init_target_cache(cfg, batch, 0, jnp.bfloat16)
+  return dataclasses.replace(
+      cache, state=0.1 * jax.random.normal(ks, empty.state.shape, jnp.float32),
+      window=jax.random.normal(kw, empty.window.shape, jnp.bfloat16))
 
 
 # --------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@
 #   experiments/perf/run_h200.sh moe_pairs OUT  # MoE layers at decode rows: pair kernels vs sorted
 #   experiments/perf/run_h200.sh moe_decode OUT # the MoE decode kernels vs the pair kernels
 #   experiments/perf/run_h200.sh target_sweep OUT # the bundled target's shape from short runs
-#   setsid experiments/perf/run_h200.sh default_pair OUT &  # the bundled pair end to end (~24 min)
+#   experiments/perf/run_h200.sh pair_target OUT; ... pair_rest OUT  # the bundled pair, two calls
 #
 # bench_matrix compiles each batch's programs 8 at a time (configs/bench_matrix.py
 # compile_threads); bench_step compiles serially. experiments/perf/compile_offline.py checks compile
@@ -99,35 +99,40 @@ case $what in
         >>"$out/sweep.jsonl"
     done
     ;;
-  default_pair)  # the bundled pair end to end, ~24 min: longer than one call, so start it under
-                 # setsid and collect it with later calls. The sweep above, the target at the
-                 # point of lowest held-out loss (the config's time budget), the drafter (three
-                 # taps spread over the depth), installed into WORKDIR/default_model, then its
-                 # tokens/s here at batch 1 and 8 (float32, highest precision)
-    w=${WORKDIR:-out/default_pair}
-    WORKDIR=$w CORPUS=$w/main bash "$0" target_sweep "$out"
-    export PYTHONPATH=$PYTHONPATH:/tmp/site_sweep
-    read -r h l i <<<"$($py - "$out/sweep.jsonl" <<'EOF'
-import json, sys
-rows = [json.loads(line) for line in open(sys.argv[1])]
-best = min((r for r in rows if r["result"]), key=lambda r: r["result"]["best"]["loss"])
-print(*best["point"].split("x"))
-EOF
-)"
-    taps=$($py -c "import numpy as np; print(','.join(map(str, np.linspace(1, $l - 2, 3).round().astype(int))))")
-    echo "target ${h}x${l}x${i}, drafter taps $taps" >"$out/pick.txt"
-    TARGET_ARGS="--config.model.hidden_size=$h --config.model.num_layers=$l
-      --config.model.intermediate_size=$i --config.model.num_heads=$((h / 64))
-      --config.train.progress_bar=False" \
-    DRAFTER_ARGS="--config.drafter.target_layer_ids=$taps --config.train.progress_bar=False" \
-      WORKDIR=$w/main INSTALL=$w/default_model PY=$py bash experiments/train_default.sh \
-      >"$out/train_default.log" 2>&1
-    for b in 1 8; do
-      JAX_DEFAULT_MATMUL_PRECISION=highest timeout 200 $py -m experiments.eval_default \
-        --model_dir=$w/default_model --attention=pallas --batch_size=$b --num_prompts=8 \
-        --prompt_min=96 --prompt_max=96 --budgets=8,32,64 --perplexity=false --signatures=0 \
-        --out=$out/h200_b$b.json >"$out/h200_b$b.log" 2>&1
-    done
+  pair_target|pair_rest)  # the bundled pair in two calls on one warm machine (a call is at most
+                 # 10 minutes; the target trains for longer). pair_target (~540 s): the corpus,
+                 # then the target's fixed schedule (configs/train_target.py) up to step STOP (a
+                 # multiple of its save_every), checkpointed under WORKDIR. pair_rest (~530 s),
+                 # at once after it: the target
+                 # resumed to its last step (bitwise), exported; regenerated data, the drafter,
+                 # installed into WORKDIR/default_model and packed into OUT (15 MB parts). A fresh
+                 # machine has no checkpoint: pair_rest then stops at once. PRESET=:smoke
+                 # (with STOP=15) runs both on a CPU in a few minutes.
+    w=${WORKDIR:-out/pair} site=/tmp/site_pair
+    if ls .whl/*.whl >/dev/null 2>&1; then
+      $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target $site .whl/*.whl >"$out/pair_pip.log" 2>&1
+      export PYTHONPATH=$PYTHONPATH:$site
+    fi
+    if [ "$what" = pair_target ]; then
+      common=(--config=configs/train_target.py${PRESET:-} --config.workdir=$w
+              --config.train.progress_bar=False)
+      timeout 120 $py -m experiments.train_tokenizer "${common[@]}" >"$out/pair_corpus.log" 2>&1
+      timeout 500 $py -m experiments.train_target "${common[@]}" \
+        --config.train.stop_at_step=${STOP:-3500} >"$out/pair_target.log" 2>&1
+      tail -n 3 "$out/pair_target.log"
+    else
+      if ! ls -d $w/target/checkpoints/* >/dev/null 2>&1; then
+        echo "no checkpoint under $w: a fresh machine (run pair_target first)"; exit 1
+      fi
+      PRESET=${PRESET:-} TARGET_ARGS="--config.train.progress_bar=False" \
+        DRAFTER_ARGS="--config.train.progress_bar=False" WORKDIR=$w INSTALL=$w/default_model \
+        PY=$py timeout 560 bash experiments/train_default.sh >"$out/pair_rest.log" 2>&1
+      tail -n 4 "$out/pair_rest.log"
+      tar czf "$out/pair_logs.tgz" -C $w target/metrics.json target/loss.png drafter/metrics.json \
+        drafter/loss.png data/corpus.json 2>/dev/null
+      tar cf - -C $w default_model | split -b 15000000 - "$out/pair.tar."
+    fi
     ;;
   mla)  # DeepSeek-V3 architecture, ~420 s: the Moonlight-16B-A3B shape (latent attention by
         # KernelTuning's rule; on 2026-12-02 at f558278 XLA's form, then the only default):
@@ -289,7 +294,7 @@ EOF
       --config.out_dir="$out/m8b" >"$out/m8b.log" 2>&1
     tar -C "$out" -czf "$out/m8b.tgz" m8b 2>/dev/null && rm -r "$out/m8b"
     ;;
-  *) echo "usage: $0 compile|step|step8|spec|quick|goals|results|int8|profile|profile_tp|kernel|sweep|gemm|tp|matrix|temperature|m8b|moe|moe_pairs|moe_decode|moe_loop|target_sweep|default_pair|mla|mla8k|latent|kimi OUT" >&2
+  *) echo "usage: $0 compile|step|step8|spec|quick|goals|results|int8|profile|profile_tp|kernel|sweep|gemm|tp|matrix|temperature|m8b|moe|moe_pairs|moe_decode|moe_loop|target_sweep|pair_target|pair_rest|mla|mla8k|latent|kimi OUT" >&2
      exit 2 ;;
 esac
 ls -la "$out"
