@@ -31,7 +31,7 @@ demo: $(VENV)/.installed-core
 serve: $(VENV)/.installed-serve
 	$(PY) -m experiments.serve --config=configs/serve.py $(ARGS)
 
-# The bundled default pair (ddtree_jax/default_model): GPU settings, ~8 min on one H200.
+# The bundled default pair (ddtree_jax/default_model): GPU settings, ~17 min on one H200.
 train: $(VENV)/.installed-train
 	PY=$(PY) bash experiments/train_default.sh
 

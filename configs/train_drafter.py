@@ -30,7 +30,7 @@ def get_config(preset: str = "gpu"):
   c.regen.prompt_max = 192
   c.regen.new_tokens = 320             # prompt_max + new_tokens <= the target's seq_len
   c.regen.batch_size = 1024
-  c.regen.time_budget_s = 100.0        # stop adding batches past this (0 = all num_sequences)
+  c.regen.time_budget_s = 70.0         # stop adding batches past this (0 = all num_sequences)
   c.regen.dtype = "float32"            # the shipped (bf16-rounded) weights, float32 math
   c.regen.matmul_precision = "highest"
   c.regen.attention = "xla"
@@ -40,7 +40,7 @@ def get_config(preset: str = "gpu"):
   c.train.num_anchors = 512            # per sequence, fresh each epoch (capped by the candidates)
   c.train.gamma = 7.0                  # slot weights exp(-(k-1)/gamma)
   c.train.num_steps = 20000
-  c.train.time_budget_s = 220.0
+  c.train.time_budget_s = 180.0
   c.train.calib_steps = 20
   c.train.lr = 6e-4
   c.train.warmup_fraction = 0.04
