@@ -56,7 +56,10 @@ def get_config():
   c.draft_vocab = ""                                 # .npy of the ids to draft over ("" = all;
                                                      # drafter.restrict_vocab, frequent_tokens)
   c.methods = "ar,chain,ddtree" if c.drafter else "ar"  # comma list of ar, chain, ddtree
-  c.budgets = "8,32"                                 # ddtree budgets, each in [1, 1024]
+  c.budgets = "8,32"                                 # ddtree budgets, each in [1, 1024], or
+                                                     # auto: each step chooses one of:
+  c.auto_budgets = "0,8,16,32,64"                    # budget=auto's options (0 = AR)
+  c.budget_costs = ""                                # their seconds per step ("" = measured)
   c.prompts = ("def is_palindrome(s):", "def fib(n):", "import os\n")
   c.max_new_tokens = 96
   c.temperature = GenerateOptions.temperature

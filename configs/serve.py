@@ -36,7 +36,10 @@ def get_config():
                                     # ddtree_jax/default_model/target; unknown ids decode to "")
   d = SlotConfig  # (its class attributes: the fields' defaults)
   s.method = d.method if c.drafter else "ar"  # ar | chain | ddtree
-  s.budget = d.budget               # DDTree nodes per verify, fixed at start
+  s.budget = str(d.budget)          # DDTree nodes per verify, fixed at start; or "auto": each
+                                    # step chooses one of (0 = AR, for the slots decoding then):
+  s.auto_budgets = ",".join(map(str, d.budgets))
+  s.budget_costs = ""               # their seconds per step ("" = measured at start)
   s.slots = d.slots                 # decode slots (the batch of every decode step)
   s.capacity = 512                  # cache rows per slot: prompt + generated tokens
   s.chunk_steps = d.chunk_steps     # decode steps per chunk between two admissions

@@ -4,8 +4,8 @@ import os as _os
 
 from ddtree_jax.checkpoints.dflash import Drafter, load_drafter
 from ddtree_jax.checkpoints.hf import Target, load_target
-from ddtree_jax.engine import (GenerateResult, compile_many, compile_only, draft_logits,
-                               forward_logits, generate)
+from ddtree_jax.engine import (GenerateResult, budget_costs, compile_many, compile_only,
+                               draft_logits, forward_logits, generate)
 from ddtree_jax.spec.tree import DraftTree, build_tree
 
 DEFAULT_MODEL_DIR = _os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "default_model")
@@ -23,6 +23,6 @@ def load_default(dtype="float32") -> tuple[Target, Drafter]:
   return target, load_drafter(drafter_dir, target)
 
 
-__all__ = ["DEFAULT_MODEL_DIR", "Drafter", "DraftTree", "GenerateResult", "Target", "build_tree",
-           "compile_many", "compile_only", "draft_logits", "forward_logits", "generate",
+__all__ = ["DEFAULT_MODEL_DIR", "Drafter", "DraftTree", "GenerateResult", "Target", "budget_costs",
+           "build_tree", "compile_many", "compile_only", "draft_logits", "forward_logits", "generate",
            "load_default", "load_drafter", "load_target"]

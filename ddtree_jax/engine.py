@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ddtree_jax import auto_costs
 from ddtree_jax.spec import decode
 from ddtree_jax.models import drafter as drafter_lib
 from ddtree_jax import kernels as kernels_lib
@@ -21,7 +22,8 @@ from ddtree_jax.models import decoder
 from ddtree_jax import sharding
 from ddtree_jax.checkpoints.dflash import Drafter
 from ddtree_jax.checkpoints.hf import Target
-from ddtree_jax.request import GenerateOptions, RequestError, token_ids as check_token_ids
+from ddtree_jax.request import (DEFAULT_BUDGETS, GenerateOptions, RequestError,
+                                token_ids as check_token_ids)
 from ddtree_jax.spec.sampling import seed_key_data
 
 _LOG = logging.getLogger(__name__)
@@ -78,7 +80,31 @@ def _prepare(target, prompts, options: GenerateOptions, drafter):
   key = jax.random.wrap_key_data(seed_key_data(options.seed), impl="threefry2x32")
   args = (target.params, dparams, sharding.put_batch(tokens, mesh, rules),
           sharding.put_batch(lens, mesh, rules), sharding.replicate(key, mesh))
+  if options.budget == "auto":  # the costs: given, or measured with these programs (`_costs`)
+    cost = np.ones(len(options.budgets)) if options.budget_costs is None else options.budget_costs
+    args += (sharding.replicate(jnp.asarray(cost, jnp.float32), mesh),)
   return args, options.cache_capacity, statics
+
+
+def _costs(args, capacity, statics, options: GenerateOptions):
+  """args with budget="auto"'s costs: the options' own, or measured on this machine
+  (`auto_costs`, cached on disk by device, code and shapes)."""
+  if options.budget != "auto" or options.budget_costs is not None:
+    return args
+  prefill, loop = _programs(args, capacity, statics)
+  key = auto_costs.cache_key(dict(statics, capacity=capacity), args)
+  cost = auto_costs.cached(key, lambda: auto_costs.measure(prefill, loop, args, statics["lc"],
+                                                           args[1]))
+  return args[:-1] + (jax.device_put(jnp.asarray(cost, jnp.float32), args[-1].sharding),)
+
+
+def budget_costs(target: Target, prompts: Sequence[Sequence[int]], **kwargs) -> dict[int, float]:
+  """{budget: seconds per step} of `generate(target, prompts, budget="auto", **kwargs)`'s
+  options, as it measures them (or finds them measured) on this machine."""
+  options, drafter = _options(dict(kwargs, method="ddtree", budget="auto", budget_costs=None))
+  args, capacity, statics = _prepare(target, prompts, options, drafter)
+  args = _costs(args, capacity, statics, options.check_values())
+  return dict(zip(statics["lc"].budgets, np.asarray(args[-1]).tolist()))
 
 
 def _options(kwargs: dict) -> tuple[GenerateOptions, Drafter | None]:
@@ -168,7 +194,9 @@ def compilation_cache_from_flags() -> str | None:
 
 def generate(target: Target, prompts: Sequence[Sequence[int]], *, method: str = "ar",
              max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
-             stop_token_ids=None, drafter: Drafter | None = None, budget: int | None = None,
+             stop_token_ids=None, drafter: Drafter | None = None,
+             budget: int | str | None = None, budgets: Sequence[int] = DEFAULT_BUDGETS,
+             budget_costs: Sequence[float] | None = None,
              topk_cap: int | None = None, cache_capacity: int | None = None,
              attention: str | None = None, top_k: int | None = None,
              top_p: float | None = None, steps_per_check: int = 1,
@@ -185,11 +213,15 @@ def generate(target: Target, prompts: Sequence[Sequence[int]], *, method: str = 
   steps_per_check > 1 checks the stop condition (a host round trip) once per that many steps,
   at the price of up to steps_per_check - 1 idle steps at the end (`decode.decode_loop`); the
   output and stats are the same. kernel_tuning: the Pallas kernels' tuning (`kernels.KernelTuning`;
-  None: the defaults).
+  None: the defaults). budget="auto" chooses each step's budget among `budgets` (0: AR) from the
+  draft's expected acceptance and each budget's step time (`budget_costs`, seconds per step;
+  None: measured here first, `budget_costs()`); stats then hold each step's choice ("chosen")
+  and each row's expected accepted drafts per step ("predicted").
   """
   options = GenerateOptions(
       method=method, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-      stop_token_ids=stop_token_ids, budget=budget, topk_cap=topk_cap,
+      stop_token_ids=stop_token_ids, budget=budget, budgets=budgets, budget_costs=budget_costs,
+      topk_cap=topk_cap,
       cache_capacity=cache_capacity, attention=attention, top_k=top_k, top_p=top_p,
       steps_per_check=steps_per_check, kernel_tuning=kernel_tuning)
   args, capacity, statics = _prepare(target, prompts, options, drafter)
@@ -197,6 +229,7 @@ def generate(target: Target, prompts: Sequence[Sequence[int]], *, method: str = 
   t0 = time.perf_counter()
   prefill, loop = _programs(args, capacity, statics)
   t1 = time.perf_counter()
+  args = _costs(args, capacity, statics, options.check_values())
   state = jax.block_until_ready(prefill(*args))
   t2 = time.perf_counter()
   state = jax.block_until_ready(loop(target.params, dparams, state))
@@ -204,6 +237,7 @@ def generate(target: Target, prompts: Sequence[Sequence[int]], *, method: str = 
 
   out, n_out, accepted, steps = sharding.to_host((state.out, state.n_out, state.accepted,
                                                   state.step))
+  auto = {} if state.auto is None else _auto_stats(state.auto, accepted, len(prompts), lc)
   n = len(prompts)  # rows past n are dp padding
   out, n_out, accepted = out[:n], n_out[:n], accepted[:, :n]
   steps = int(steps)
@@ -213,13 +247,24 @@ def generate(target: Target, prompts: Sequence[Sequence[int]], *, method: str = 
   return GenerateResult(
       tokens=[out[b, :n_out[b]].tolist() for b in range(len(prompts))],
       stats={
-          "method": method, "budget": lc.budget, "steps": steps,
+          "method": method, "budget": "auto" if lc.budgets else lc.budget, "steps": steps,
           "tau": float(np.mean(flat)) if flat else 0.0,
           "acceptance_lengths": per_seq,
           "tokens_per_second": new_in_loop / (t3 - t2) if new_in_loop else 0.0,
           "compile_seconds": t1 - t0, "prefill_seconds": t2 - t1, "decode_seconds": t3 - t2,
-          "cache_capacity": capacity, "attention": lc.kernels.attention,
+          "cache_capacity": capacity, "attention": lc.kernels.attention, **auto,
       })
+
+
+def _auto_stats(auto, accepted, n: int, lc) -> dict:
+  """budget="auto"'s stats: the options and their costs, each step's chosen budget, each row's
+  expected accepted drafts at the steps its acceptance_lengths list."""
+  cost, chosen, predicted = sharding.to_host((auto.cost, auto.chosen, auto.predicted))
+  steps = int(np.sum(np.any(accepted > 0, axis=1)))
+  return {"budgets": list(lc.budgets), "budget_costs": [float(c) for c in cost],
+          "chosen": chosen[:steps].tolist(),
+          "predicted": [[float(p) for p, a in zip(predicted[:steps, b], accepted[:steps, b])
+                         if a > 0] for b in range(n)]}
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))

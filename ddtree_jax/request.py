@@ -24,6 +24,7 @@ if TYPE_CHECKING:
   from ddtree_jax.serving.slots import SlotConfig
 
 MAX_BUDGET = 1024
+DEFAULT_BUDGETS = (0, 8, 16, 32, 64)  # budget="auto"'s options (0: AR)
 MAX_TEMPERATURE = 2.0  # a served request's highest temperature (the OpenAI API's range)
 MIN_SEED, MAX_SEED = -(1 << 63), (1 << 64) - 1  # any 64-bit integer, signed or not
 MEMORY_HEADROOM = 0.9  # the share of the free memory a request's caches may take
@@ -71,6 +72,26 @@ def number(name: str, value, lo: float | None = None, hi: float | None = None,
     raise RequestError(f"{name} must be in {lo_s}{lo}, {hi if hi is not None else 'inf'}], "
                        f"got {value}", name)
   return value
+
+
+def auto_options(budgets, costs) -> tuple[tuple[int, ...], tuple[float, ...] | None]:
+  """budget="auto"'s options checked: distinct budgets in [0, MAX_BUDGET] (0: AR), at least one
+  above 0, ascending; costs None or one positive number (seconds per step) each, reordered with
+  them."""
+  if isinstance(budgets, (str, bytes)) or not hasattr(budgets, "__len__") or not budgets:
+    raise RequestError(f"budgets must be a non-empty list of budgets, got {budgets!r}", "budgets")
+  ints = [integer("budgets", b, 0, MAX_BUDGET) for b in budgets]
+  if len(set(ints)) != len(ints) or max(ints) == 0:
+    raise RequestError(f"budgets must be distinct, with one above 0 (0 is AR), got {ints}",
+                       "budgets")
+  order = sorted(range(len(ints)), key=ints.__getitem__)
+  if costs is None:
+    return tuple(ints[i] for i in order), None
+  if isinstance(costs, (str, bytes)) or not hasattr(costs, "__len__") or len(costs) != len(ints):
+    raise RequestError(f"budget_costs must give one number per budget ({len(ints)}), got "
+                       f"{costs!r}", "budget_costs")
+  costs = [number("budget_costs", c, 0.0, lo_open=True) for c in costs]
+  return tuple(ints[i] for i in order), tuple(costs[i] for i in order)
 
 
 def token_ids(name: str, ids, vocab_size: int, field: str | None = None) -> list[int]:
@@ -138,8 +159,11 @@ def cache_bytes(cfg, batch: int, capacity: int, itemsize: int, dcfg=None) -> int
 class GenerateOptions:
   """The options of a generation request: `engine.generate`'s keywords (but the drafter).
 
-  method: "ar", "chain" (DFlash) or "ddtree"; budget: DDTree's tree nodes (ddtree only, needed);
-  topk_cap: DDTree's tokens per depth (ddtree only; None: the budget). temperature > 0 samples
+  method: "ar", "chain" (DFlash) or "ddtree"; budget: DDTree's tree nodes (ddtree only, needed),
+  or "auto": each step chooses one of `budgets` (0: AR) by expected tokens per second
+  (`spec/auto.py`), with `budget_costs` the seconds per step of each (None: measured on this
+  machine, `engine.budget_costs`); topk_cap: DDTree's tokens per depth (ddtree only; None: the
+  budget). temperature > 0 samples
   from the target's distribution, filtered by top_k / top_p (None: off), with draws keyed by seed
   (a 64-bit integer); 0 is greedy. stop_token_ids: None = the target's eos ids. cache_capacity:
   cache rows per sequence (None: the longest prompt plus max_new_tokens, rounded up to 128).
@@ -154,7 +178,9 @@ class GenerateOptions:
   top_p: float | None = None
   seed: int = 0
   stop_token_ids: Sequence[int] | None = None
-  budget: int | None = None
+  budget: int | str | None = None
+  budgets: Sequence[int] = DEFAULT_BUDGETS
+  budget_costs: Sequence[float] | None = None
   topk_cap: int | None = None
   cache_capacity: int | None = None
   attention: str | None = None
@@ -193,15 +219,23 @@ class GenerateOptions:
     top_k = None if self.top_k is None else integer("top_k", self.top_k, 1)
     top_p = None if self.top_p is None else number("top_p", self.top_p, 0.0, 1.0, lo_open=True)
     budget, topk_cap = self.budget, self.topk_cap
+    budgets, costs = tuple(self.budgets), self.budget_costs
     if method == "ddtree":
       if budget is None:
-        raise RequestError(f"method 'ddtree' needs a budget: an integer in [1, {MAX_BUDGET}]",
-                           "budget")
-      budget = integer("budget", budget, 1, MAX_BUDGET)
+        raise RequestError(f"method 'ddtree' needs a budget: an integer in [1, {MAX_BUDGET}] or "
+                           "'auto'", "budget")
+      if budget == "auto":
+        budgets, costs = auto_options(budgets, costs)
+      else:
+        budget = integer("budget", budget, 1, MAX_BUDGET)
       topk_cap = None if topk_cap is None else integer("topk_cap", topk_cap, 1)
     else:
       if budget is not None:
         raise RequestError(f"budget is only used by method='ddtree', not {method!r}", "budget")
+    if budget != "auto":
+      for name, default in (("budgets", DEFAULT_BUDGETS), ("budget_costs", None)):
+        if getattr(self, name) != default and tuple(getattr(self, name) or ()) != default:
+          raise RequestError(f"{name} is only used by budget='auto'", name)
       if topk_cap is not None:
         raise RequestError(f"topk_cap is only used by method='ddtree', not {method!r}",
                            "topk_cap")
@@ -213,7 +247,7 @@ class GenerateOptions:
     return dataclasses.replace(
         self, max_new_tokens=max_new_tokens, steps_per_check=steps_per_check,
         temperature=temperature, seed=seed, top_k=top_k, top_p=top_p, budget=budget,
-        topk_cap=topk_cap, cache_capacity=cache_capacity)
+        budgets=budgets, budget_costs=costs, topk_cap=topk_cap, cache_capacity=cache_capacity)
 
   def check(self, target, drafter, prompts: Sequence[Sequence[int]],
             slots: SlotConfig | None = None
@@ -282,9 +316,12 @@ class GenerateOptions:
     stop_token_ids set); dcfg: the drafter's config (None for AR); top_k and top_p only when
     sampling."""
     sample = self.temperature > 0
+    auto = self.budget == "auto"
     return LoopConfig(
         method=self.method, max_new_tokens=self.max_new_tokens,
-        num_drafts=0 if dcfg is None else dcfg.num_drafts, budget=self.budget or 0,
+        num_drafts=0 if dcfg is None else dcfg.num_drafts,
+        budget=max(self.budgets) if auto else self.budget or 0,
+        budgets=tuple(self.budgets) if auto else (),
         topk_cap=self.topk_cap, temperature=self.temperature,
         top_k=self.top_k if sample else None, top_p=self.top_p if sample else None,
         stop_ids=tuple(self.stop_token_ids), steps_per_check=self.steps_per_check,

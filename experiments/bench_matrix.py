@@ -40,7 +40,8 @@ CSV_FIELDS = ("batch", "method", "budget", "dtype", "attention", "prompt_tokens"
               "speedup_vs_ar", "speedup_vs_chain", "tau", "steps", "new_tokens", "step_ms",
               "draft_ms", "tree_ms", "verify_ms", "accept_commit_ms", "stages_ms",
               "decode_seconds", "prefill_seconds", "compile_seconds", "warmup_seconds",
-              "identical_to_ar", "divergent_seqs", "near_tie_divergences", "min_divergence_gap")
+              "identical_to_ar", "divergent_seqs", "near_tie_divergences", "min_divergence_gap",
+              "chosen", "expected_per_drafted_step", "accepted_per_drafted_step")
 
 
 def _round_up(x: int, m: int) -> int:
@@ -139,6 +140,7 @@ def run(cfg, mesh=None) -> dict:
           "compile_seconds": c_s, "compile_threads": cfg.compile_threads,
           "warmup_seconds": warmup_s,
           "acceptance_lengths": [a for seq in res.stats["acceptance_lengths"] for a in seq],
+          **workflow.auto_summary(res),
       }
       if method == "ar":
         reference = res.tokens
@@ -234,9 +236,10 @@ def plot(rows, out_dir, meta=None) -> list[str]:
     rand = [k for k in ("target", "drafter") if meta.get(f"random_{k}")]
     if rand:
       title += f" (random {' + '.join(rand)} weights)"
-  ddt = lambda b: sorted((r for r in rows if r["batch"] == b and r["method"] == "ddtree"),
-                         key=lambda r: r["budget"])
-  base = lambda b, m: next((r for r in rows if r["batch"] == b and r["method"] == m), None)
+  ddt = lambda b: sorted((r for r in rows if r["batch"] == b and r["method"] == "ddtree"
+                          and r["budget"] != "auto"), key=lambda r: r["budget"])
+  base = lambda b, m: next((r for r in rows if r["batch"] == b and (
+      r["method"] == m or m == "auto" and r["budget"] == "auto")), None)
   files = []
 
   def per_batch(key, ylabel, fname):
@@ -246,10 +249,11 @@ def plot(rows, out_dir, meta=None) -> list[str]:
       if d:
         ax.plot([r["budget"] for r in d], [r[key] or 0 for r in d], "o-", label="ddtree")
         ax.set_xscale("log", base=2)
-      for m, style in (("ar", ":"), ("chain", "--")):
+      for m, style, color in (("ar", ":", "gray"), ("chain", "--", "tab:orange"),
+                              ("auto", "-.", "tab:green")):
         r = base(b, m)
         if r is not None and r.get(key) is not None:
-          ax.axhline(r[key], linestyle=style, color="gray" if m == "ar" else "tab:orange", label=m)
+          ax.axhline(r[key], linestyle=style, color=color, label=m)
       ax.set_title(f"batch {b}")
       ax.set_xlabel("budget (tree nodes)")
       ax.set_ylabel(ylabel)

@@ -5,8 +5,9 @@
 
 Prints the first prompt with its completion once, then a table per method: tau, target forward
 passes per 100 tokens, tokens/s, speed-up over the first method, and whether the output equals the
-first method's. The last line printed is one JSON object: {"results": [{method, budget, tau,
-forwards_per_100_tokens, tokens_per_second, identical_to_first}]}.
+first method's; for budget=auto, the steps each budget was chosen and the drafts accepted against
+those the drafter expected. The last line printed is one JSON object: {"results": [{method,
+budget, tau, forwards_per_100_tokens, tokens_per_second, identical_to_first, ...}]}.
 """
 
 import json
@@ -56,7 +57,7 @@ def main(_):
     results.append(dict(method=method, budget=budget, tau=round(res.stats["tau"], 3),
                         forwards_per_100_tokens=round(forwards_per_100(res), 1),
                         tokens_per_second=round(res.stats["tokens_per_second"], 1),
-                        identical_to_first=res.tokens == reference))
+                        identical_to_first=res.tokens == reference, **workflow.auto_summary(res)))
   base = results[0]["tokens_per_second"] or 1.0
   print(f"\n{'method':<14}{'tau':>7}{'fwd/100 tok':>13}{'tok/s':>10}{'speed-up':>10}{'same':>6}")
   for r in results:
@@ -64,6 +65,11 @@ def main(_):
     print(f"{name:<14}{r['tau']:>7.2f}{r['forwards_per_100_tokens']:>13.1f}"
           f"{r['tokens_per_second']:>10.1f}{r['tokens_per_second'] / base:>9.2f}x"
           f"{str(r['identical_to_first']):>6}")
+  for r in results:
+    if "chosen" in r:
+      print(f"\n{workflow.Plan.name(r['method'], r['budget'])}: steps per budget {r['chosen']} (0 = AR); "
+            f"accepted {r['accepted_per_drafted_step']:.2f} drafts per drafted step, "
+            f"{r['expected_per_drafted_step']:.2f} expected by the drafter")
   if jax.default_backend() == "cpu" and speculation_slower(results):
     print("\nOn a CPU a model this small is launch-bound: a verify of many tokens costs more than "
           "an AR step, so\nspeculation saves target forwards (fwd/100 tok) but not time here. "

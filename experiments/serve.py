@@ -36,8 +36,18 @@ def slot_config(cfg) -> slots.SlotConfig:
   except ValueError:
     raise ValueError(f"SlotConfig.prompt_buckets must be comma-separated integers, got "
                      f"{s.prompt_buckets!r}") from None
+  auto = str(s.budget) == "auto"
+  try:
+    budget = "auto" if auto else int(s.budget)
+    budgets = tuple(int(b) for b in str(s.auto_budgets).split(",") if b)
+    costs = tuple(float(c) for c in str(s.budget_costs).split(",") if c) or None
+  except ValueError:
+    raise ValueError(f"SlotConfig.budget must be an integer or 'auto', budgets integers and "
+                     f"budget_costs numbers (comma lists), got {s.budget!r}, "
+                     f"{s.auto_budgets!r}, {s.budget_costs!r}") from None
   return slots.SlotConfig(
-      method=s.method, budget=s.budget, slots=s.slots, capacity=s.capacity,
+      method=s.method, budget=budget, budgets=budgets, budget_costs=costs if auto else None,
+      slots=s.slots, capacity=s.capacity,
       chunk_steps=s.chunk_steps, max_chunk_steps=s.max_chunk_steps, pipeline=s.pipeline,
       refill_wait=s.refill_wait, max_queue=s.max_queue, attention=cfg.attention or None,
       sampling=s.sampling, max_top_k=s.max_top_k, prompt_buckets=buckets)

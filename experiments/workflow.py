@@ -9,6 +9,7 @@ Validation gives one clear message naming the valid values (unknown keys, method
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import difflib
 import importlib.util
@@ -168,9 +169,9 @@ def run_app(main) -> None:
 class Plan:
   """The parsed, validated sweep of a config."""
   methods: tuple[str, ...]
-  budgets: tuple[int, ...]
+  budgets: tuple[int | str, ...]             # "auto": budget="auto" over cfg.auto_budgets
   batches: tuple[int, ...]
-  runs: tuple[tuple[str, int | None], ...]   # (method, budget or None) in run order
+  runs: tuple[tuple[str, int | str | None], ...]   # (method, budget or None) in run order
   profile: tuple[str, ...]                    # methods whose stages are timed
 
   @staticmethod
@@ -201,9 +202,14 @@ def parse_methods(value) -> tuple[str, ...]:
   return methods
 
 
-def parse_budgets(value) -> tuple[int, ...]:
-  return _ints(value, "budget", MIN_BUDGET, MAX_BUDGET,
-               f"integers in [{MIN_BUDGET}, {MAX_BUDGET}] (comma list, e.g. --config.budgets=8,32)")
+def parse_budgets(value) -> tuple[int | str, ...]:
+  """Budgets in [MIN_BUDGET, MAX_BUDGET] and "auto" (comma list)."""
+  parts = [p.strip() for p in str(value).split(",") if p.strip()]
+  ints = _ints(",".join(p for p in parts if p != "auto"), "budget", MIN_BUDGET, MAX_BUDGET,
+               f"integers in [{MIN_BUDGET}, {MAX_BUDGET}] or auto (comma list, e.g. "
+               "--config.budgets=8,32,auto)")
+  it = iter(ints)
+  return tuple("auto" if p == "auto" else next(it) for p in parts)
 
 
 def validate(cfg, *, needs_drafter_for_spec: bool = True, baselines: bool | None = None) -> Plan:
@@ -389,11 +395,31 @@ def make_prompts(cfg, target, batch: int) -> list[list[int]]:
 def generate_options(cfg, method: str, budget: int | None) -> GenerateOptions:
   """The generate options of one run of the config (its "" and 0 are the options' None, its
   ignore_eos no stop ids)."""
+  auto = {} if budget != "auto" else dict(
+      budgets=_ints(cfg.auto_budgets, "auto budget", 0, MAX_BUDGET, "integers in "
+                    f"[0, {MAX_BUDGET}] (comma list, 0 = AR)"),
+      budget_costs=tuple(float(c) for c in str(cfg.budget_costs).split(",") if c.strip()) or None)
   return GenerateOptions(
       method=method, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-      seed=cfg.seed, budget=budget, topk_cap=(cfg.topk_cap or None) if method == "ddtree" else None,
+      seed=cfg.seed, budget=budget, **auto,
+      topk_cap=(cfg.topk_cap or None) if method == "ddtree" else None,
       attention=cfg.attention or None, stop_token_ids=() if cfg.ignore_eos else None,
       steps_per_check=cfg.steps_per_check)
+
+
+def auto_summary(res) -> dict:
+  """A budget="auto" run in numbers (empty for others): steps per chosen budget ({budget:
+  steps}, 0 = AR), and per step that verified a drafted budget the drafts accepted and those the
+  drafter expected (mean over rows and steps)."""
+  if "chosen" not in res.stats:
+    return {}
+  counts = collections.Counter(res.stats["chosen"])
+  drafted = [(p, a - 1) for ps, acc in zip(res.stats["predicted"], res.stats["acceptance_lengths"])
+             for p, a in zip(ps, acc) if p > 0]
+  mean = lambda xs: float(np.mean(xs)) if xs else 0.0
+  return {"chosen": {int(b): counts[b] for b in sorted(counts)},
+          "expected_per_drafted_step": mean([p for p, _ in drafted]),
+          "accepted_per_drafted_step": mean([a for _, a in drafted])}
 
 
 def generate_kwargs(cfg, method: str, budget: int | None, drafter) -> dict:

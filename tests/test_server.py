@@ -328,3 +328,13 @@ def test_a_random_target_serves_text_through_a_named_tokenizer():
   cfg.serve.tokenizer = "/nonexistent"
   with pytest.raises(workflow.ConfigError, match="serve.tokenizer"):
     serve.build(cfg)
+
+
+def test_metrics_show_the_steps_each_budget_took():
+  """budget=auto's counters (SlotEngine.metrics' steps_budget_B) become one labelled series."""
+  class Engine:
+    def metrics(self):
+      return {"queue_depth": 0, "active_slots": 1, "steps_budget_0": 5, "steps_budget_16": 3}
+  text = server._Metrics(Engine()).render().decode()  # pylint: disable=protected-access
+  assert 'ddtree_budget_steps{budget="0"} 5.0' in text
+  assert 'ddtree_budget_steps{budget="16"} 3.0' in text

@@ -33,11 +33,12 @@ def test_the_default_settings_are_valid():
 
 def test_a_chunk_row_reads_back_as_its_fields():
   """`Chunk.of` reads the chunk program's row layout: start, end, steps, max_steps acceptance
-  counts, then the window of new tokens (only end - start of them are the slot's)."""
-  row = np.asarray([5, 9, 2, 3, 1, 0, 0, 11, 12, 13, 14, 99, 99], np.int32)
+  counts, max_steps chosen budgets, then the window of new tokens (only end - start of them are
+  the slot's)."""
+  row = np.asarray([5, 9, 2, 3, 1, 0, 0, 16, 0, 0, 0, 11, 12, 13, 14, 99, 99], np.int32)
   got = slot_programs.Chunk.of(row, max_steps=4)
   assert (got.start, got.end, got.steps) == (5, 9, 2)
-  assert got.accepted == [3, 1] and got.tokens == [11, 12, 13, 14]
+  assert got.accepted == [3, 1] and got.tokens == [11, 12, 13, 14] and got.chosen == [16, 0]
   assert got.acceptance(sent=5, max_tokens=9) == [3, 1]
   assert got.acceptance(sent=5, max_tokens=7) == [3]  # the second step is past the end
   assert slot_programs.Chunk(0, 2, 3, [1, 0, 1], [7, 8]).acceptance(0, 9) == [1, 1]
@@ -162,3 +163,23 @@ def test_a_chunk_in_flight_never_feeds_the_next_request_in_its_slot(mixed):
   assert all(d.wait(120) for d in done.values())
   engine.stop()
   assert got == {"a": want[5][:1], "b": want[1], "c": want[6]}
+
+
+def test_budget_auto_serves_offline_tokens_and_counts_its_choices(mixed):
+  """budget="auto" in the slot engine: a burst of requests then lone ones get the offline
+  tokens; each step's choice (made for the slots decoding then) is counted in the metrics."""
+  target, drafter, prompts, limits, stops, want = mixed
+  engine = slots.SlotEngine(target, drafter, slots.SlotConfig(
+      method="ddtree", budget="auto", budgets=(0, 4, 16), budget_costs=(1.0, 1.4, 2.2), slots=2,
+      capacity=160, chunk_steps=4, max_chunk_steps=16, prompt_buckets=(16, 64)))
+  jobs = [(p, n, s, False) for p, n, s in zip(prompts, limits, stops)]
+  got = [[] for _ in jobs]
+  try:
+    _run(engine, jobs[:4], got[:4], at_once=True)
+    _run(engine, jobs[4:], got[4:], at_once=False)
+  finally:
+    engine.stop()
+  assert got == want
+  m = engine.metrics()
+  chosen = {k: v for k, v in m.items() if k.startswith("steps_budget_")}
+  assert sum(chosen.values()) == m["steps"] and len(chosen) > 1, m

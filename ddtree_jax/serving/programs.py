@@ -39,12 +39,17 @@ def insert(state: decode.DecodeState, one: decode.DecodeState, slot):
     return jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), slot, axis)
 
   def cache(big, small):
-    rec = lambda b, s: None if b is None else put(b, s, 1)
+    rec = lambda b, s: None if b is None else put(b, s, 1)  # (Gated DeltaNet state, window)
     return dataclasses.replace(big, k=put(big.k, small.k, 1), v=put(big.v, small.v, 1),
                                lens=put(big.lens, small.lens, 0),
                                state=rec(big.state, small.state), window=rec(big.window, small.window))
+  auto = state.auto
+  if auto is not None:  # the row's ratio starts afresh; the choices stay the batch's
+    auto = dataclasses.replace(auto, expected=put(auto.expected, one.auto.expected, 0),
+                               accepted=put(auto.accepted, one.auto.accepted, 0),
+                               predicted=put(auto.predicted, one.auto.predicted, 1))
   return dataclasses.replace(
-      state, cache=cache(state.cache, one.cache),
+      state, cache=cache(state.cache, one.cache), auto=auto,
       draft_cache=None if state.draft_cache is None else cache(state.draft_cache,
                                                                one.draft_cache),
       bonus=put(state.bonus, one.bonus, 0), out=put(state.out, one.out, 0),
@@ -75,9 +80,10 @@ def window(lc: decode.LoopConfig, max_steps: int) -> int:
 def chunk(tparams, dparams, state, settings: Settings, steps, *, tcfg, dcfg, lc, max_steps: int,
           sampling: bool = True, max_top_k: int = 64):
   """Up to `steps` (traced, clipped to max_steps) steps of every slot, ending early once every
-  slot is done; finished slots commit nothing. Returns (state, new [B, 3 + max_steps + window]
+  slot is done; finished slots commit nothing. Returns (state, new [B, 3 + 2 max_steps + window]
   int32), each row in `Chunk`'s layout: the slot's tokens emitted before and after the chunk,
-  the steps run, the tokens each step committed, then its new tokens."""
+  the steps run, the tokens each step committed, the budget each step chose (budget="auto"; else
+  0), then its new tokens."""
   start = state.n_out
   state = dataclasses.replace(state, step=jnp.zeros((), jnp.int32),
                               accepted=jnp.zeros_like(state.accepted),
@@ -91,8 +97,10 @@ def chunk(tparams, dparams, state, settings: Settings, steps, *, tcfg, dcfg, lc,
                                   (jnp.zeros((), jnp.int32), state))
   at = jnp.minimum(start[:, None] + jnp.arange(window(lc, max_steps)), state.out.shape[1] - 1)
   b = start.shape[0]
+  chosen = (jnp.zeros((max_steps,), jnp.int32) if state.auto is None
+            else state.auto.chosen[:max_steps])
   new = jnp.concatenate([start[:, None], state.n_out[:, None], jnp.full((b, 1), ran),
-                         state.accepted[:max_steps].T,
+                         state.accepted[:max_steps].T, jnp.broadcast_to(chosen, (b, max_steps)),
                          jnp.take_along_axis(state.out, at, axis=1)], axis=1)
   return state, new.astype(jnp.int32)
 
@@ -100,19 +108,22 @@ def chunk(tparams, dparams, state, settings: Settings, steps, *, tcfg, dcfg, lc,
 @dataclasses.dataclass(frozen=True)
 class Chunk:
   """One slot's row of a chunk's `new` (host ints): tokens emitted before (`start`) and after
-  (`end`) the chunk, the steps it ran, the tokens each step committed (`accepted`, [max_steps]),
-  and the tokens start..end (`tokens`)."""
+  (`end`) the chunk, the steps it ran, the tokens each step committed (`accepted`), the tokens
+  start..end (`tokens`) and the budget each step chose (`chosen`, budget="auto")."""
   start: int
   end: int
   steps: int
   accepted: list[int]
   tokens: list[int]
+  chosen: list[int] = dataclasses.field(default_factory=list)
 
   @classmethod
   def of(cls, row: np.ndarray, max_steps: int) -> "Chunk":
     start, end, steps = (int(x) for x in row[:3])
+    first = 3 + 2 * max_steps
     return cls(start, end, steps, row[3:3 + steps].tolist(),
-               row[3 + max_steps:3 + max_steps + end - start].tolist())
+               row[first:first + end - start].tolist(),
+               row[3 + max_steps:3 + max_steps + steps].tolist())
 
   def acceptance(self, sent: int, max_tokens: int) -> list[int]:
     """The tokens each step of the chunk committed for a request that had sent `sent` of its

@@ -94,6 +94,9 @@ class _Metrics:
     self.acceptance = prometheus_client.Histogram(
         "ddtree_acceptance_length", "tokens committed per decode step",
         buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32), registry=r)
+    self.budget_steps = prometheus_client.Gauge(
+        "ddtree_budget_steps", "decode steps that chose each budget (budget=auto; 0 = AR)",
+        ["budget"], registry=r)
     self.engine, self.window = engine, collections.deque()  # (time, tokens), the last minute
 
   def _trim(self, now: float) -> None:
@@ -110,6 +113,9 @@ class _Metrics:
     m = self.engine.metrics()
     self.queue.set(m["queue_depth"])
     self.active.set(m["active_slots"])
+    for key, steps in m.items():
+      if key.startswith("steps_budget_"):
+        self.budget_steps.labels(budget=key[len("steps_budget_"):]).set(steps)
     now = time.monotonic()
     self._trim(now)
     span = now - self.window[0][0] if len(self.window) > 1 else 0.0

@@ -41,7 +41,7 @@ from ddtree_jax.spec import decode
 from ddtree_jax.serving import programs
 from ddtree_jax.checkpoints.dflash import Drafter
 from ddtree_jax.checkpoints.hf import Target
-from ddtree_jax.request import MAX_BUDGET, GenerateOptions
+from ddtree_jax.request import DEFAULT_BUDGETS, MAX_BUDGET, GenerateOptions, auto_options
 from ddtree_jax.spec.sampling import Settings, seed_key_data
 
 
@@ -53,9 +53,13 @@ class SlotConfig:
   alone, dispatch the next chunk before reading the last), refill_wait (after a chunk that ended
   requests, while slots are free and none wait, wait up to this fraction of its time for new
   ones); sampling (False: a greedy-only program that refuses temperature > 0), the largest top_k,
-  and how many of a request's stop ids the chunk checks on device."""
+  and how many of a request's stop ids the chunk checks on device. budget="auto": every step
+  chooses among `budgets` (0: AR) for the rows decoding then (`spec/auto.py`), with
+  `budget_costs` the seconds per step of each (None: measured at start on a batch of `slots`)."""
   method: str = "ddtree"
-  budget: int = 16
+  budget: int | str = 16
+  budgets: tuple[int, ...] = DEFAULT_BUDGETS
+  budget_costs: tuple[float, ...] | None = None
   slots: int = 8
   capacity: int = 1024
   chunk_steps: int = 8
@@ -72,8 +76,14 @@ class SlotConfig:
   def __post_init__(self):
     if self.method not in decode.METHODS:
       raise ValueError(f"SlotConfig.method must be one of {decode.METHODS}, got {self.method!r}")
-    if self.method == "ddtree" and not 1 <= self.budget <= MAX_BUDGET:
-      raise ValueError(f"SlotConfig.budget must be in [1, {MAX_BUDGET}], got {self.budget}")
+    if self.method == "ddtree" and self.budget == "auto":
+      budgets, costs = auto_options(self.budgets, self.budget_costs)  # RequestError: a ValueError
+      object.__setattr__(self, "budgets", budgets)
+      object.__setattr__(self, "budget_costs", costs)
+    elif self.method == "ddtree" and (isinstance(self.budget, (bool, str))
+                                      or not 1 <= self.budget <= MAX_BUDGET):
+      raise ValueError(f"SlotConfig.budget must be in [1, {MAX_BUDGET}] or 'auto', got "
+                       f"{self.budget!r}")
     for name in ("slots", "capacity", "chunk_steps", "max_chunk_steps", "max_queue", "max_top_k",
                  "max_stop_ids"):
       value = getattr(self, name)
@@ -99,10 +109,11 @@ class SlotConfig:
   def options(self) -> GenerateOptions:
     """The options every slot decodes with (its program's `LoopConfig`): the method, budget and
     attention, up to `capacity` tokens; sampling and stop ids are each request's (`Settings`)."""
+    auto = self.method == "ddtree" and self.budget == "auto"
     return GenerateOptions(method=self.method,
                            budget=self.budget if self.method == "ddtree" else None,
                            max_new_tokens=self.capacity, attention=self.attention,
-                           stop_token_ids=())
+                           stop_token_ids=(), **(dict(budgets=self.budgets) if auto else {}))
 
 
 class QueueFull(RuntimeError):
@@ -149,6 +160,7 @@ class SlotEngine:
     self.stats = collections.Counter()
     self._thread: threading.Thread | None = None
     self._stop = False
+    self.costs = self._costs()
     self.state = self._empty_state()
     self.settings = Settings.free(config.slots, config.max_stop_ids)  # host copy, per slot
     self._device_settings = None  # its device copy, None once a row changed
@@ -167,11 +179,25 @@ class SlotEngine:
                             np.asarray([len(prompt)], np.int32), seed_key_data(options.seed),
                             row, capacity=self.config.capacity, **self._static)
 
+  def _costs(self):
+    """budget="auto"'s seconds per step: the config's, or measured with `generate`'s loop on a
+    batch of `slots` and this server's cache rows (None for a fixed budget)."""
+    cfg = self.config
+    if not self.lc.budgets or cfg.budget_costs is not None:
+      return cfg.budget_costs
+    from ddtree_jax import engine  # pylint: disable=import-outside-toplevel
+    costs = engine.budget_costs(
+        self.target, [[0] * 16] * cfg.slots, drafter=self.drafter, budgets=cfg.budgets,
+        max_new_tokens=16, cache_capacity=cfg.capacity, attention=cfg.attention,
+        stop_token_ids=())
+    return tuple(costs[b] for b in cfg.budgets)
+
   def _empty_state(self):
     """Every slot free: a prefill of one-token prompts, marked done, a key per row."""
     b = self.config.slots
     state = decode.prefill(self.target.params, self.dparams, jnp.zeros((b, 16), jnp.int32),
                            jnp.ones((b,), jnp.int32), jax.random.key(0),
+                           None if self.costs is None else jnp.asarray(self.costs, jnp.float32),
                            tcfg=self.target.config, dcfg=self.dcfg, lc=self.lc,
                            capacity=self.config.capacity)
     return dataclasses.replace(state, done=jnp.ones((b,), bool),
@@ -285,6 +311,9 @@ class SlotEngine:
     t0 = time.perf_counter()
     finished = self.stats["finished"]
     self.stats["steps"] += int(rows[0, 2])
+    if self.lc.budgets:  # budget="auto": the steps of each budget (every row holds them)
+      self.stats.update(f"steps_budget_{b}"
+                        for b in programs.Chunk.of(rows[0], self.config.max_chunk_steps).chosen)
     for slot, req in holders.items():
       if self.active.get(slot) is not req:  # finished or cancelled since: its tokens are dropped
         continue
@@ -360,7 +389,7 @@ class SlotEngine:
   def metrics(self) -> dict:
     """Queue depth, active slots and the counters since start (chunks, those of a request alone,
     steps, tokens; host seconds launching chunks, waiting for results, handling them and waiting
-    for requests to refill slots)."""
+    for requests to refill slots; budget="auto": steps_budget_B, the steps that chose B)."""
     with self.lock:
       queued = len(self.queue)
     return dict(queue_depth=queued, active_slots=len(self.active), slots=self.config.slots,

@@ -5,6 +5,9 @@ Every method is the same step with a different tree: AR verifies the root alone,
 `lax.while_loop` on device; the host sees the results once, at the end.
 
   draft -> build tree -> verify (one target forward) -> accept -> commit (target + drafter caches)
+
+budget="auto" (`auto_step`, spec/auto.py) builds the tree at the largest of its budgets and
+verifies the prefix of the budget it chooses, or drafts nothing and verifies the root alone.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from ddtree_jax.models import decoder
 from ddtree_jax import sharding
+from ddtree_jax.spec import auto as auto_lib
 from ddtree_jax.spec import tree as tree_lib
 from ddtree_jax.spec import verify
 from ddtree_jax.kernels import Kernels
@@ -41,6 +45,8 @@ class LoopConfig:
   kernels: Kernels = Kernels()    # attention / q-k / residual / embedding implementations, mesh
   steps_per_check: int = 1        # steps between two checks of the loop's stop condition
                                   # (each check is a host round trip; see decode_loop)
+  budgets: tuple[int, ...] = ()   # budget="auto": the options (0 = AR), ascending; budget is
+                                  # their largest (the tree built each drafted step)
 
   @property
   def mesh(self):
@@ -63,6 +69,7 @@ class DecodeState:
   accepted: jax.Array                    # [M, B] tokens committed at each step (0 once done)
   step: jax.Array                        # [] int32
   key: jax.Array                         # PRNG key
+  auto: auto_lib.AutoState | None = None # budget="auto"'s chooser, None otherwise
 
   def partition_specs(self, axes) -> DecodeState:
     """The caches by their own layout, the per-sequence fields over dp on their batch dim,
@@ -76,7 +83,8 @@ class DecodeState:
         draft_cache=None if self.draft_cache is None else self.draft_cache.partition_specs(axes),
         bonus=batch(self.bonus, 0), out=batch(self.out, 0), n_out=batch(self.n_out, 0),
         done=batch(self.done, 0), accepted=batch(self.accepted, 1), step=P(),
-        key=jax.tree.map(lambda _: P(), self.key))
+        key=jax.tree.map(lambda _: P(), self.key),
+        auto=None if self.auto is None else self.auto.partition_specs(axes))
 
 
 def _root_tree(bonus):
@@ -118,8 +126,8 @@ def _advance(lc, dparams, dcfg, state, pending, taps, src, emitted, tau, key):
   out = state.out.at[jnp.arange(b)[:, None], dst].set(emitted, mode="drop")
   last = jnp.take_along_axis(emitted, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
   n_out = state.n_out + count
-  return DecodeState(
-      cache=cache, draft_cache=draft_cache,
+  return dataclasses.replace(
+      state, cache=cache, draft_cache=draft_cache,
       bonus=jnp.where(count > 0, last, state.bonus), out=out, n_out=n_out,
       done=state.done | hit | (n_out >= lc.max_new_tokens),
       # a step of sequences that are all done (steps_per_check > 1) commits nothing, not counted
@@ -180,6 +188,8 @@ def step(tparams, tcfg, dparams, dcfg, lc: LoopConfig, state: DecodeState,
          pick=None) -> DecodeState:
   """One speculative step for every sequence of the batch; `pick` as `verify_and_pick`'s (the
   slot engine's picks each row with its own settings and key)."""
+  if lc.budgets:
+    return auto_step(tparams, tcfg, dparams, dcfg, lc, state, pick)
   key, pick_key = _split_key(state.key)
   logits = None
   if lc.method != "ar":
@@ -193,16 +203,52 @@ def step(tparams, tcfg, dparams, dcfg, lc: LoopConfig, state: DecodeState,
     return accept_and_commit(dparams, dcfg, lc, state, tree, post, pending, taps, key)
 
 
+def auto_step(tparams, tcfg, dparams, dcfg, lc: LoopConfig, state: DecodeState,
+              pick=None) -> DecodeState:
+  """`step` with budget="auto": unless backing off, draft and build the tree at the largest
+  budget, choose the option of the most expected tokens per second (`auto.choose`) and verify
+  that prefix of the tree (budget 0: the root alone); every option commits the drafter's
+  context as a step does."""
+  key, pick_key = _split_key(state.key)
+  auto, live = state.auto, ~state.done
+
+  def verify_commit(tree, budget, predicted):
+    post, pending, taps = verify_and_pick(tparams, tcfg, dcfg, lc, state, tree, pick_key, pick)
+    path, tau, emitted = verify.accept(tree.tokens, tree.parents, tree.depths, tree.visibility,
+                                       post, lc.num_drafts)
+    new = _advance(lc, dparams, dcfg, state, pending, taps, path, emitted, tau, key)
+    return dataclasses.replace(new, auto=auto_lib.after_step(
+        auto, state.step, jnp.int32(budget), predicted, tau - 1, live))
+
+  def root_only(*_):
+    return verify_commit(_root_tree(state.bonus), 0, jnp.zeros_like(auto.expected))
+
+  def drafted(_):
+    with jax.named_scope("draft"):
+      logits = draft(dparams, tparams, dcfg, lc, state)
+    with jax.named_scope("tree"):
+      tree = make_tree(lc, logits, state.bonus, dcfg.vocab(dparams))
+    expected = auto_lib.expected_accepted(tree.scores, lc.budgets)
+    option = lambda j, b: (root_only if b == 0 else lambda: verify_commit(
+        tree_lib.prefix(tree, b + 1), b, expected[:, j]))
+    return jax.lax.switch(auto_lib.choose(auto, expected, live),
+                          [option(j, b) for j, b in enumerate(lc.budgets)])
+
+  return jax.lax.cond(auto.skip > 0, root_only, drafted, None)
+
+
 @functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "lc", "capacity"))
-def prefill(tparams, dparams, tokens, lens, key, *, tcfg, dcfg, lc: LoopConfig, capacity: int):
-  """Prompts [B, T] (right-padded, true lengths `lens`) -> the initial DecodeState."""
+def prefill(tparams, dparams, tokens, lens, key, cost=None, *, tcfg, dcfg, lc: LoopConfig,
+            capacity: int):
+  """Prompts [B, T] (right-padded, true lengths `lens`) -> the initial DecodeState; cost [J]:
+  budget="auto"'s seconds per step of each of lc.budgets."""
   pick = lambda logits, k: verify.pick(logits, lc.temperature, k, lc.top_k, lc.top_p)
-  return prefill_with(pick, tparams, dparams, tokens, lens, key, tcfg=tcfg, dcfg=dcfg, lc=lc,
-                      capacity=capacity)
+  return prefill_with(pick, tparams, dparams, tokens, lens, key, cost, tcfg=tcfg, dcfg=dcfg,
+                      lc=lc, capacity=capacity)
 
 
-def prefill_with(pick, tparams, dparams, tokens, lens, key, *, tcfg, dcfg, lc: LoopConfig,
-                 capacity: int):
+def prefill_with(pick, tparams, dparams, tokens, lens, key, cost=None, *, tcfg, dcfg,
+                 lc: LoopConfig, capacity: int):
   """`prefill` (not jitted) with the first token pick(logits [B, V], key) -> [B] int32."""
   b, t = tokens.shape
   cache = decoder.init_target_cache(tcfg, b, capacity, tparams.embed.dtype)
@@ -229,7 +275,9 @@ def prefill_with(pick, tparams, dparams, tokens, lens, key, *, tcfg, dcfg, lc: L
   state = DecodeState(
       cache=cache, draft_cache=draft_cache, bonus=first,
       out=jnp.zeros((b, m), jnp.int32).at[:, 0].set(first), n_out=jnp.ones((b,), jnp.int32),
-      done=done, accepted=jnp.zeros((m, b), jnp.int32), step=jnp.zeros((), jnp.int32), key=key)
+      done=done, accepted=jnp.zeros((m, b), jnp.int32), step=jnp.zeros((), jnp.int32), key=key,
+      auto=auto_lib.AutoState.init(jnp.ones(len(lc.budgets)) if cost is None else cost, b, m)
+      if lc.budgets else None)
   return sharding.constrain(state, lc.mesh, lc.rules)
 
 

@@ -211,6 +211,13 @@ def build_tree(draft_logits, budget: int, topk_cap: int | None = None, root_toke
   return jax.vmap(lambda v, i, l, t: _build_one(v, i, l, t, budget, k))(*top, root)
 
 
+def prefix(tree: DraftTree, n: int) -> DraftTree:
+  """The first n nodes of a best-first tree (parents come first): the tree of budget n - 1."""
+  return DraftTree(tokens=tree.tokens[..., :n], parents=tree.parents[..., :n],
+                   depths=tree.depths[..., :n], scores=tree.scores[..., :n],
+                   visibility=tree.visibility[..., :n, :n])
+
+
 def chain_tree(draft_logits, root_token) -> DraftTree:
   """Plain DFlash: the root followed by the greedy draft of every depth, verified causally.
 
