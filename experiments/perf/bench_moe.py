@@ -177,12 +177,14 @@ def main(_):
 
   def floor_ms(counts, b, p=tp, c=tcfg):
     """Bytes a forward must read at bw: the non-expert weights (lm_head, not the embedding),
-    the distinct experts per layer `counts`, and b prefixes of KV rows."""
+    the distinct experts per layer `counts`, b prefixes of KV rows (the attention layers') and
+    a hybrid's b recurrent states read and written."""
     experts = sum(l.moe.w_gate_up.nbytes + l.moe.w_down.nbytes for l in p.layers if l.moe)
     heads, k_dim, v_dim = c.cache_layout
-    kv = c.num_layers * heads * (k_dim + v_dim) * 2
+    kv = len(c.attention_layers) * heads * (k_dim + v_dim) * 2
     dense = decoder.param_bytes(p) - experts - p.embed.nbytes
-    return (dense + int(np.sum(counts)) * expert_bytes + b * prefix * kv) / bw * 1e3
+    return (dense + int(np.sum(counts)) * expert_bytes
+            + b * (prefix * kv + harness.recurrent_bytes(c))) / bw * 1e3
 
   print(f"devices {jax.devices()}  target {decoder.param_bytes(tp) / 1e9:.2f} GB (routers "
         f"{router_bytes / 1e9:.3f}, floor of the non-expert weights and a 1-row prefix "

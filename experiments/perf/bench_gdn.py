@@ -1,0 +1,89 @@
+"""The tree's recurrent part: one Gated DeltaNet layer over a draft tree of N = B + 1 nodes (the
+verify's `gated_deltanet.block`, then the commit of an accepted path), random bf16 weights at a
+hybrid shape's widths, against the bytes it must move (weights, state read and written).
+
+  python -m experiments.perf.bench_gdn --shape=qwen3.5-9b --budgets=0,16,32,64,128 --batches=1,8
+  python -m experiments.perf.bench_gdn --small          # tiny widths, runs on CPU (smoke)
+
+Prints one JSON row per (batch, budget) and a table; a tree here is a chain when B = 0 (AR) and
+otherwise a random tree of that many nodes (each node's parent drawn below it).
+"""
+
+import json
+
+from absl import app, flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ddtree_jax.models import gated_deltanet as gd
+from ddtree_jax.tools import profiling
+from experiments.perf import common_flags, harness
+
+common_flags.define("small", "repeats", "json_out", shape="qwen3.5-9b")
+flags.DEFINE_string("budgets", "0,16,32,64,128", "tree budgets (0: the root alone)")
+flags.DEFINE_string("batches", "1,8", "batch sizes")
+FLAGS = flags.FLAGS
+
+
+def tree_of(n: int, rng):
+  """parents [N] (each below its node, the root -1) and the ancestor-or-self visibility."""
+  parents = np.asarray([-1] + [int(rng.integers(0, i)) for i in range(1, n)], np.int32)
+  anc = np.eye(n, dtype=bool)
+  for i in range(1, n):
+    anc[i] |= anc[parents[i]]
+  depth = anc.sum(1) - 1
+  return parents, anc, depth
+
+
+def main(_):
+  cfg = harness.target_config(FLAGS.small, FLAGS.shape)
+  if cfg.gdn is None:
+    raise app.UsageError(f"--shape={FLAGS.shape} has no Gated DeltaNet layers")
+  d, h = cfg.gdn, cfg.hidden_size
+  p = gd.init_params(d, h, jax.random.key(0), jnp.bfloat16)
+  weights = sum(x.nbytes for x in jax.tree.leaves(p))
+  state_bytes = d.value_heads * d.key_dim * d.value_dim * 4
+  bw = harness.copy_bandwidth(FLAGS.small)
+  rng = np.random.default_rng(0)
+  rows = []
+
+  @jax.jit
+  def run(x, positions, visible, state, window, src, count):
+    y, pending = gd.block(p, d, x, positions, visible, state, window, chain=False)
+    return y, gd.commit_block(state, window, pending, src, count)
+
+  for b in harness.ints(FLAGS.batches):
+    for budget in harness.ints(FLAGS.budgets):
+      n = budget + 1
+      _, anc, depth = tree_of(n, rng)
+      x = jax.random.normal(jax.random.key(1), (b, n, h), jnp.bfloat16)
+      positions = jnp.broadcast_to(jnp.asarray(depth + 100, jnp.int32), (b, n))
+      visible = jnp.broadcast_to(jnp.asarray(anc), (b, n, n))
+      state = 0.1 * jax.random.normal(jax.random.key(2), (b, d.value_heads, d.key_dim,
+                                                           d.value_dim), jnp.float32)
+      window = jax.random.normal(jax.random.key(3), (b, d.conv_kernel - 1, d.conv_dim),
+                                 jnp.bfloat16)
+      path = np.flatnonzero(anc[n - 1])                       # the last node's root path
+      src = jnp.broadcast_to(jnp.asarray(path, jnp.int32), (b, len(path)))
+      count = jnp.full((b,), len(path), jnp.int32)
+      args = (x, positions, visible, state, window, src, count)
+      ms = profiling.median_seconds(run, *args, repeats=FLAGS.repeats) * 1e3
+      floor = (weights + 2 * b * state_bytes) / bw * 1e3
+      row = {"shape": FLAGS.shape, "batch": b, "budget": budget, "nodes": n, "ms": ms,
+             "floor_ms": floor, "ratio_to_floor": ms / floor,
+             "layers": len(cfg.recurrent_layers), "all_layers_ms": ms * len(cfg.recurrent_layers)}
+      rows.append(row)
+      print(json.dumps(row), flush=True)
+      if FLAGS.json_out:
+        with open(FLAGS.json_out, "a") as f:
+          f.write(json.dumps(row) + "\n")
+  print(f"\n== One Gated DeltaNet layer over a tree of B + 1 nodes ({FLAGS.shape}), then commit")
+  print(f"{'batch':>6}{'B':>6}{'ms':>10}{'floor ms':>10}{'ratio':>8}{'x layers ms':>13}")
+  for r in rows:
+    print(f"{r['batch']:>6}{r['budget']:>6}{r['ms']:>10.3f}{r['floor_ms']:>10.3f}"
+          f"{r['ratio_to_floor']:>8.2f}{r['all_layers_ms']:>13.3f}")
+
+
+if __name__ == "__main__":
+  app.run(main)
