@@ -24,5 +24,5 @@ def load_default(dtype="float32") -> tuple[Target, Drafter]:
 
 
 __all__ = ["DEFAULT_MODEL_DIR", "Drafter", "DraftTree", "GenerateResult", "Target", "budget_costs",
-           "build_tree", "compile_many", "compile_only", "draft_logits", "forward_logits", "generate",
-           "load_default", "load_drafter", "load_target"]
+           "build_tree", "compile_many", "compile_only", "draft_logits", "forward_logits",
+           "generate", "load_default", "load_drafter", "load_target"]

@@ -232,13 +232,13 @@ class GenerateOptions:
     else:
       if budget is not None:
         raise RequestError(f"budget is only used by method='ddtree', not {method!r}", "budget")
+      if topk_cap is not None:
+        raise RequestError(f"topk_cap is only used by method='ddtree', not {method!r}",
+                           "topk_cap")
     if budget != "auto":
       for name, default in (("budgets", DEFAULT_BUDGETS), ("budget_costs", None)):
         if getattr(self, name) != default and tuple(getattr(self, name) or ()) != default:
           raise RequestError(f"{name} is only used by budget='auto'", name)
-      if topk_cap is not None:
-        raise RequestError(f"topk_cap is only used by method='ddtree', not {method!r}",
-                           "topk_cap")
     cache_capacity = (None if self.cache_capacity is None else
                       integer("cache_capacity", self.cache_capacity, 1))
     if self.kernel_tuning is not None and not isinstance(self.kernel_tuning, KernelTuning):

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ddtree_jax import engine
 from ddtree_jax.spec import decode
 from ddtree_jax.serving import programs
 from ddtree_jax.checkpoints.dflash import Drafter
@@ -185,7 +186,6 @@ class SlotEngine:
     cfg = self.config
     if not self.lc.budgets or cfg.budget_costs is not None:
       return cfg.budget_costs
-    from ddtree_jax import engine  # pylint: disable=import-outside-toplevel
     costs = engine.budget_costs(
         self.target, [[0] * 16] * cfg.slots, drafter=self.drafter, budgets=cfg.budgets,
         max_new_tokens=16, cache_capacity=cfg.capacity, attention=cfg.attention,
