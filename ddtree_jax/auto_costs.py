@@ -5,8 +5,9 @@ Each option is forced in turn (`auto.forced`: the chooser then picks it whatever
 state prefilled from the request's own prompts, its loop started near its last step so that it
 runs a given number of steps. The time of a short and a long run gives the step's slope: what a
 step costs without the call's fixed part (dispatch, the first condition check, the sync), which
-would otherwise flatten the differences between budgets. Forcing AR times steps that draft
-nothing (after its first, the back-off skips the draft), as the loop's AR steps are.
+would otherwise flatten the differences between budgets. AR is timed on steps that draft
+nothing (the state starts backing off for longer than the run), as the loop's AR steps are, and
+a drafted budget with the tree one budget above it, as the loop builds it after choosing it.
 """
 
 from __future__ import annotations
@@ -42,8 +43,16 @@ def measure(prefill, loop, args, lc, dparams) -> tuple[float, ...]:
       """(seconds, steps run): rows that stop early can end the loop before `steps`."""
       state = prefill(*args[:-1], cost)
       start = max_steps - steps
-      state = dataclasses.replace(state, step=jax.device_put(jnp.int32(start),
-                                                             state.step.sharding))
+      put = lambda x, like: jax.device_put(jnp.int32(x), like.sharding)
+      state = dataclasses.replace(state, step=put(start, state.step))
+      if lc.budgets[j] == 0:  # AR: no draft on any step of the run
+        state = dataclasses.replace(state, auto=dataclasses.replace(
+            state.auto, skip=put(max_steps + 1, state.auto.skip)))
+      else:  # the tree it gets when chosen: one budget above it
+        drafted = [b for b in lc.budgets if b > 0]
+        tier = min(drafted.index(lc.budgets[j]) + 1, len(drafted) - 1)
+        state = dataclasses.replace(state, auto=dataclasses.replace(
+            state.auto, tier=put(tier, state.auto.tier)))
       t0 = time.perf_counter()
       state = jax.block_until_ready(loop(args[0], dparams, state))
       return time.perf_counter() - t0, max(int(state.step) - start, 1)

@@ -48,7 +48,7 @@ def test_expected_acceptance_is_the_sum_over_the_trees_nodes():
 
 
 def test_choose_takes_the_most_expected_tokens_per_second():
-  state = auto.AutoState.init(jnp.asarray([1.0, 2.0, 4.0]), 2, 8)
+  state = auto.AutoState.init(jnp.asarray([1.0, 2.0, 4.0]), 2, 8, 2)
   expected = jnp.asarray([[0.0, 3.0, 5.0], [0.0, 1.0, 9.0]])   # rows x options
   live = jnp.asarray([True, True])
   # values: AR 2 / 1 = 2, B1 (4 + 2) / 2 = 3, B2 (6 + 10) / 4 = 4
@@ -60,18 +60,26 @@ def test_choose_takes_the_most_expected_tokens_per_second():
   assert int(auto.choose(state, expected, jnp.zeros(2, bool))) == 0  # nothing live
 
 
-def test_back_off_doubles_while_ar_wins_and_resets_on_a_budget():
-  s = auto.AutoState.init(jnp.ones(2), 1, 16)
-  skips = []
-  for step, budget in enumerate([0] * 10 + [5, 0]):
-    drafted = int(s.skip) == 0
-    skips.append(drafted)
-    s = auto.after_step(s, step, jnp.int32(budget), jnp.zeros(1), jnp.zeros(1, jnp.int32),
-                        jnp.ones(1, bool))
-  # drafted at steps 0, 2, 5 and 10 (AR skips 1, 2, then 4 drafts); budget 5 at step 10 resets
-  # the back-off, so AR at step 11 skips one step again
-  assert [i for i, d in enumerate(skips) if d] == [0, 2, 5, 10, 11]
-  assert int(s.backoff) == 2 and int(s.skip) == 1
+@pytest.mark.parametrize("cost,unit", [((1.0, 1.0), 1), ((1.0, 2.5), 3)])
+def test_back_off_doubles_while_ar_wins_and_resets_when_it_does_not(cost, unit):
+  """A drafted step that AR wins skips backoff x (the cheapest drafted budget's cost in AR
+  steps) steps, doubling backoff; one that AR does not win resets it."""
+  s = auto.AutoState.init(jnp.asarray(cost), 1, 64, 1)
+  drafted, step = [], 0
+  for ar_won in [True, True, True, False, True]:
+    while int(s.skip) > 0:  # undrafted AR steps
+      s = auto.after_step(s, step, jnp.int32(0), jnp.zeros(1), jnp.zeros(1, jnp.int32),
+                          jnp.ones(1, bool), False)
+      step += 1
+    drafted.append(step)
+    s = auto.after_step(s, step, jnp.int32(8), jnp.ones(1), jnp.zeros(1, jnp.int32),
+                        jnp.ones(1, bool), ar_won)
+    step += 1
+  gaps = [b - a - 1 for a, b in zip(drafted, drafted[1:])]
+  assert gaps == [unit, 2 * unit, 4 * unit, 0]
+  assert int(s.skip) == unit and int(s.backoff) == 2
+  assert float(s.expected[0]) == 5.0  # the drafted steps' predictions, summed for the ratio
+  assert [int(c) for c in s.chosen[:step]] == [8 if i in drafted else 0 for i in range(step)]
 
 
 @pytest.mark.parametrize("name,taps", [("qwen3_gqa", (0, 1)), ("qwen3_moe_sparse_step", (1, 3)),
@@ -107,11 +115,15 @@ def test_a_budget_that_is_cheapest_per_expected_token_is_taken(dense):
   run = lambda costs: dj.generate(target, PROMPTS, method="ddtree", drafter=oracle,
                                   budget="auto", budgets=BUDGETS, budget_costs=costs,
                                   max_new_tokens=M, stop_token_ids=())
-  cheap16 = run((1.0, 9.0, 0.5, 9.0))
-  assert set(cheap16.stats["chosen"]) == {16} and cheap16.tokens == [a[:M] for a in ar]
+  cheap16 = run((1.0, 9.0, 0.5, 9.0))  # the first tree is the smallest budget's: then it climbs
+  chosen = cheap16.stats["chosen"]
+  assert chosen[0] == 4 and set(chosen[1:]) == {16} and cheap16.tokens == [a[:M] for a in ar]
+  # AR at a thousandth of a drafted step, the drafted budgets at one cost: the tree climbs to
+  # the largest (a bigger one could have changed the picture), then it backs off for 1000 steps
   cheap_ar = run((1e-3, 1.0, 1.0, 1.0))
-  assert set(cheap_ar.stats["chosen"]) == {0} and cheap_ar.tokens == [a[:M] for a in ar]
-  assert max(a for seq in cheap_ar.stats["acceptance_lengths"] for a in seq) == 1
+  chosen = cheap_ar.stats["chosen"]
+  assert chosen[:3] == [4, 16, 64] and set(chosen[3:]) == {0}
+  assert cheap_ar.tokens == [a[:M] for a in ar]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,8 +141,9 @@ class WrongConfig(OracleConfig):
 
 
 def test_a_drafter_that_is_never_right_settles_on_ar(dense):
-  """Its first drafted steps expect much and get nothing; within two steps AR wins for good (the
-  back-off drafts only now and then, and never verifies a budget again)."""
+  """Its first drafted steps expect much and get nothing; within a few steps AR wins and the
+  back-off drafts only now and then (each such step verifies the cheapest budget, and backs
+  off for twice as long)."""
   target, drafter, ar = dense
   wrong = oracle_drafter(drafter, PROMPTS, ar)
   wrong = dataclasses.replace(wrong, config=WrongConfig(**{
@@ -140,7 +153,9 @@ def test_a_drafter_that_is_never_right_settles_on_ar(dense):
                     stop_token_ids=())
   assert res.tokens == ar
   chosen = res.stats["chosen"]
-  assert chosen[0] > 0 and set(chosen[2:]) == {0} and len(chosen) == 63, chosen
+  drafted = [i for i, c in enumerate(chosen) if c > 0]
+  assert len(chosen) == 63 and drafted[:2] == [0, 1] and len(drafted) <= 8, chosen
+  assert all(b - a > 2 * (a - p) - 2 for p, a, b in zip(drafted[2:], drafted[3:], drafted[4:]))
 
 
 @pytest.fixture

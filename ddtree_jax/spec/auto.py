@@ -2,7 +2,10 @@
 and each compiled budget's measured step time (docs/design.md §5).
 
 DDTree's tree for budget B is the first B + 1 nodes of the tree for any larger budget (best-first
-order, parents first), so one tree at the largest budget gives every candidate. Under the draft
+order, parents first), so one tree gives every budget up to its own. A drafted step builds the
+tree one budget above the last one chosen (the `tier`; the smallest drafted budget at first), so
+a step pays for the tree it may use while the choice can still climb a budget per step. Under
+the draft
 a node's path is accepted with probability exp(score), the product of its tokens' draft
 probabilities; the expected accepted drafts of budget B are the sum of that over its B nodes
 (`expected_accepted`). Drafts are over-confident, so each row scales its expectation by the ratio
@@ -11,11 +14,15 @@ of the most expected committed tokens per second over the live rows:
 
   value(B) = sum over live rows b of (1 + ratio_b E_b(B)) / cost(B)
 
-with budget 0 for AR (the root alone: nothing drafted, E = 0). AR needs no draft, but the choice
-needs one: after choosing AR the loop skips drafting for `skip` steps, a back-off that doubles
-while AR keeps winning (up to MAX_BACKOFF), so a drafter that is never accepted costs one drafted
-step in MAX_BACKOFF + 1. The drafter's context advances on AR steps too (the root's features are
-committed as on any step), so drafting resumes where it stopped.
+with budget 0 for AR (the root alone, E = 0). AR needs no draft, but the choice needs one, and a
+drafted step verifies the best drafted budget whatever it decides (the draft is paid for, and
+only a verified tree tells the ratio how the draft fares). When AR wins the comparison (and a
+bigger tree would not change it: the choice is below the tree's budget, or the tree is the
+largest), the next `skip` steps verify the root alone without drafting: as many steps as the cheapest drafted
+budget costs AR steps, times a back-off that doubles while AR keeps winning (up to MAX_BACKOFF),
+so a drafter that is never accepted costs about one drafted step's extra time in MAX_BACKOFF
+steps. The drafter's context advances on those steps too (the root's features are committed as
+on any step), so drafting resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -38,21 +45,25 @@ class AutoState:
   expected: jax.Array    # [B] float32: expected accepted drafts summed over drafted steps
   accepted: jax.Array    # [B] float32: accepted drafts over the same steps
   skip: jax.Array        # [] int32: AR steps left before the next draft
-  backoff: jax.Array     # [] int32: the skip after the next AR choice
+  backoff: jax.Array     # [] int32: the next skip, in units of a drafted step's cost in AR steps
   chosen: jax.Array      # [M] int32: each step's budget (0: AR)
   predicted: jax.Array   # [M, B] float32: each step's expected accepted drafts (0 undrafted)
+  tier: jax.Array        # [] int32: which drafted budget the next drafted step's tree has
 
   @classmethod
-  def init(cls, cost, batch: int, steps: int) -> AutoState:
+  def init(cls, cost, batch: int, steps: int, drafted: int) -> AutoState:
+    """`drafted` budgets above 0 among the options; the first tree has the smallest (a draft that
+    earns more climbs a budget per step)."""
     return cls(cost=jnp.asarray(cost, jnp.float32), expected=jnp.zeros((batch,), jnp.float32),
                accepted=jnp.zeros((batch,), jnp.float32), skip=jnp.zeros((), jnp.int32),
                backoff=jnp.ones((), jnp.int32), chosen=jnp.zeros((steps,), jnp.int32),
-               predicted=jnp.zeros((steps, batch), jnp.float32))
+               predicted=jnp.zeros((steps, batch), jnp.float32),
+               tier=jnp.zeros((), jnp.int32))
 
   def partition_specs(self, axes) -> AutoState:
     bt = axes("batch", self.expected.shape[0], "batch")
     return AutoState(cost=P(), expected=P(bt), accepted=P(bt), skip=P(), backoff=P(),
-                     chosen=P(), predicted=P(None, bt))
+                     chosen=P(), predicted=P(None, bt), tier=P())
 
 
 def expected_accepted(scores, budgets: tuple[int, ...]):
@@ -68,26 +79,44 @@ def ratio(auto: AutoState):
   return (auto.accepted + PRIOR) / (auto.expected + PRIOR)
 
 
-def choose(auto: AutoState, expected, live):
-  """The option of the most expected committed tokens per second over the live rows: expected
-  [B, J] (`expected_accepted`), live [B] bool -> index j (int32)."""
+def values(auto: AutoState, expected, live):
+  """[J]: each option's expected committed tokens per second over the live rows (expected [B, J],
+  `expected_accepted`; live [B] bool)."""
   gain = jnp.sum(jnp.where(live[:, None], 1.0 + ratio(auto)[:, None] * expected, 0.0), axis=0)
-  return jnp.argmax(gain / auto.cost).astype(jnp.int32)
+  return gain / auto.cost
 
 
-def after_step(auto: AutoState, step, budget, predicted, accepted, live) -> AutoState:
-  """The state after a step that chose `budget` (0: AR) with `predicted` [B] expected accepted
-  drafts (0 when nothing was drafted), of which the live rows accepted `accepted` [B]: the
-  ratio's sums (drafted steps only), the back-off (reset by a drafted budget, doubled by AR)."""
+def choose(auto: AutoState, expected, live, first: int = 0):
+  """The option of the most expected committed tokens per second among options first.. (index
+  j, int32; first = 1 leaves out AR, option 0 when budgets hold it)."""
+  return (first + jnp.argmax(values(auto, expected, live)[first:])).astype(jnp.int32)
+
+
+def ar_wins(auto: AutoState, expected, live):
+  """Whether AR (option 0) is worth more than every drafted budget."""
+  v = values(auto, expected, live)
+  return v[0] > jnp.max(v[1:])
+
+
+def after_step(auto: AutoState, step, budget, predicted, accepted, live, back_off,
+               tier=None) -> AutoState:
+  """The state after a step that verified `budget` (0: the root alone, undrafted) with
+  `predicted` [B] expected accepted drafts, of which the live rows accepted `accepted` [B]: the
+  ratio's sums (drafted steps only), the back-off: back_off (AR won at this drafted step) skips
+  the next steps, backoff x the cheapest drafted budget's cost in AR steps, and doubles
+  `backoff`; a drafted step that AR did not win resets it. tier: the next drafted step's tree
+  (None: as it was)."""
   drafted = budget > 0
   took = jnp.where(live & drafted, 1.0, 0.0)
-  ar = budget == 0
+  unit = jnp.ceil(jnp.min(auto.cost[1:]) / auto.cost[0]).astype(jnp.int32)
+  skip = jnp.where(drafted, jnp.where(back_off, auto.backoff * jnp.maximum(unit, 1), 0),
+                   jnp.maximum(auto.skip - 1, 0))
+  backoff = jnp.where(drafted, jnp.where(back_off, jnp.minimum(2 * auto.backoff, MAX_BACKOFF), 1),
+                      auto.backoff)
   return dataclasses.replace(
       auto, expected=auto.expected + took * predicted,
-      accepted=auto.accepted + took * accepted.astype(jnp.float32),
-      skip=jnp.where(ar & (auto.skip == 0), auto.backoff, jnp.maximum(auto.skip - 1, 0)),
-      backoff=jnp.where(ar, jnp.where(auto.skip == 0, jnp.minimum(2 * auto.backoff, MAX_BACKOFF),
-                                      auto.backoff), 1),
+      accepted=auto.accepted + took * accepted.astype(jnp.float32), skip=skip, backoff=backoff,
+      tier=auto.tier if tier is None else jnp.asarray(tier, jnp.int32),
       chosen=auto.chosen.at[step].set(budget),
       predicted=auto.predicted.at[step].set(jnp.where(live, predicted, 0.0)))
 

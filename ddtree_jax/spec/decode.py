@@ -205,36 +205,54 @@ def step(tparams, tcfg, dparams, dcfg, lc: LoopConfig, state: DecodeState,
 
 def auto_step(tparams, tcfg, dparams, dcfg, lc: LoopConfig, state: DecodeState,
               pick=None) -> DecodeState:
-  """`step` with budget="auto": unless backing off, draft and build the tree at the largest
-  budget, choose the option of the most expected tokens per second (`auto.choose`) and verify
-  that prefix of the tree (budget 0: the root alone); every option commits the drafter's
-  context as a step does."""
+  """`step` with budget="auto": while backing off, verify the root alone without drafting; else
+  draft, build the tree at the tier's budget (one above the last choice), verify the prefix of
+  the budget up to it of the most expected tokens per second (`auto.choose`), and back off when
+  AR (budget 0, if among lc.budgets) would be worth more (`auto.ar_wins`). Both commit the
+  drafter's context."""
   key, pick_key = _split_key(state.key)
   auto, live = state.auto, ~state.done
 
-  def verify_commit(tree, budget, predicted):
+  has_ar = int(lc.budgets[0] == 0)  # options 0.. : AR (if any), then the drafted budgets
+  drafted_budgets = lc.budgets[has_ar:]
+
+  def verify_commit(tree, budget, predicted, back_off, tier=None):
     post, pending, taps = verify_and_pick(tparams, tcfg, dcfg, lc, state, tree, pick_key, pick)
     path, tau, emitted = verify.accept(tree.tokens, tree.parents, tree.depths, tree.visibility,
                                        post, lc.num_drafts)
     new = _advance(lc, dparams, dcfg, state, pending, taps, path, emitted, tau, key)
     return dataclasses.replace(new, auto=auto_lib.after_step(
-        auto, state.step, jnp.int32(budget), predicted, tau - 1, live))
+        auto, state.step, jnp.int32(budget), predicted, tau - 1, live, back_off, tier))
 
-  def root_only(*_):
-    return verify_commit(_root_tree(state.bonus), 0, jnp.zeros_like(auto.expected))
+  def root_only(_):
+    return verify_commit(_root_tree(state.bonus), 0, jnp.zeros_like(auto.expected), False)
+
+  def tier(t, logits):
+    """The step with the tree of drafted_budgets[t]: options up to it."""
+    def run():
+      with jax.named_scope("tree"):
+        tree = make_tree(dataclasses.replace(lc, budget=drafted_budgets[t]), logits,
+                         state.bonus, dcfg.vocab(dparams))
+      n = has_ar + t + 1
+      sub = dataclasses.replace(auto, cost=auto.cost[:n])
+      expected = auto_lib.expected_accepted(tree.scores, lc.budgets[:n])
+      j = auto_lib.choose(sub, expected, live, first=has_ar) - has_ar  # a drafted budget
+      # back off only where a bigger tree would not change the picture: the choice is below the
+      # tree's budget, or the tree is the largest
+      back_off = (auto_lib.ar_wins(sub, expected, live)
+                  & ((j < t) | (t == len(drafted_budgets) - 1))) if has_ar else False
+      option = lambda i, b: lambda: verify_commit(
+          tree_lib.prefix(tree, b + 1), b, expected[:, has_ar + i], back_off,
+          min(i + 1, len(drafted_budgets) - 1))
+      return jax.lax.switch(j, [option(i, b) for i, b in enumerate(drafted_budgets[:t + 1])])
+    return run
 
   def drafted(_):
     with jax.named_scope("draft"):
       logits = draft(dparams, tparams, dcfg, lc, state)
-    with jax.named_scope("tree"):
-      tree = make_tree(lc, logits, state.bonus, dcfg.vocab(dparams))
-    expected = auto_lib.expected_accepted(tree.scores, lc.budgets)
-    option = lambda j, b: (root_only if b == 0 else lambda: verify_commit(
-        tree_lib.prefix(tree, b + 1), b, expected[:, j]))
-    return jax.lax.switch(auto_lib.choose(auto, expected, live),
-                          [option(j, b) for j, b in enumerate(lc.budgets)])
+    return jax.lax.switch(auto.tier, [tier(t, logits) for t in range(len(drafted_budgets))])
 
-  return jax.lax.cond(auto.skip > 0, root_only, drafted, None)
+  return jax.lax.cond(auto.skip > 0, root_only, drafted, None) if has_ar else drafted(None)
 
 
 @functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "lc", "capacity"))
@@ -276,8 +294,8 @@ def prefill_with(pick, tparams, dparams, tokens, lens, key, cost=None, *, tcfg, 
       cache=cache, draft_cache=draft_cache, bonus=first,
       out=jnp.zeros((b, m), jnp.int32).at[:, 0].set(first), n_out=jnp.ones((b,), jnp.int32),
       done=done, accepted=jnp.zeros((m, b), jnp.int32), step=jnp.zeros((), jnp.int32), key=key,
-      auto=auto_lib.AutoState.init(jnp.ones(len(lc.budgets)) if cost is None else cost, b, m)
-      if lc.budgets else None)
+      auto=auto_lib.AutoState.init(jnp.ones(len(lc.budgets)) if cost is None else cost, b, m,
+                                   sum(x > 0 for x in lc.budgets)) if lc.budgets else None)
   return sharding.constrain(state, lc.mesh, lc.rules)
 
 
