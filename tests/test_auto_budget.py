@@ -18,7 +18,6 @@ from ddtree_jax.spec import decode
 from ddtree_jax.request import RequestError
 from ddtree_jax.spec import auto
 from ddtree_jax.spec import tree as tree_lib
-from conftest import FIXTURES
 from helpers import OracleConfig, drafter_and_ar, load_fixture, oracle_counts, oracle_drafter
 
 M = 32

@@ -44,6 +44,14 @@ py=${PYTHON:-python3}
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv >"$out/gpus.txt" 2>&1
 step="$py -m experiments.perf.bench_step --steps=16 --repeats=3"
 
+wheels() {  # the wheels in .whl/ (what the machine lacks, e.g. ml_collections) into $1, on the path
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target "$1" .whl/*.whl >"$out/pip.log" 2>&1
+    export PYTHONPATH=$PYTHONPATH:$1
+  fi
+}
+
 case $what in
   moe)  # the REF in its own process first (the GPU holds one 61 GB model at a time), ~400 s
     timeout 100 python3 -m experiments.perf.ref_hf_moe --json_out="$out/ref_moe.jsonl" \
@@ -75,12 +83,7 @@ case $what in
                  # count, full schedule); POINTS: HIDDENxLAYERSxINTERMEDIATE (heads of 64, 2 kv
                  # heads). Needs the ml_collections wheel in .whl/.
     w=${WORKDIR:-out/target_sweep} t=${TIME:-40} corpus=${CORPUS:-${WORKDIR:-out/target_sweep}/corpus}
-    site=/tmp/site_sweep
-    if ls .whl/*.whl >/dev/null 2>&1; then
-      $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target $site .whl/*.whl >"$out/sweep_pip.log" 2>&1
-      export PYTHONPATH=$PYTHONPATH:$site
-    fi
+    wheels /tmp/site_sweep
     common=(--config=configs/train_target.py --config.train.progress_bar=False)
     timeout 500 $py -m experiments.train_tokenizer "${common[@]}" --config.workdir=$corpus \
       >"$out/sweep_corpus.log" 2>&1
@@ -109,12 +112,8 @@ case $what in
                  # installed into WORKDIR/default_model and packed into OUT (15 MB parts). A fresh
                  # machine has no checkpoint: pair_rest then stops at once. PRESET=:smoke
                  # (with STOP=15) runs both on a CPU in a few minutes.
-    w=${WORKDIR:-out/pair} site=/tmp/site_pair
-    if ls .whl/*.whl >/dev/null 2>&1; then
-      $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target $site .whl/*.whl >"$out/pair_pip.log" 2>&1
-      export PYTHONPATH=$PYTHONPATH:$site
-    fi
+    w=${WORKDIR:-out/pair}
+    wheels /tmp/site_pair
     if [ "$what" = pair_target ]; then
       common=(--config=configs/train_target.py${PRESET:-} --config.workdir=$w
               --config.train.progress_bar=False)
