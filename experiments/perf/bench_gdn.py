@@ -6,7 +6,10 @@ hybrid shape's widths, against the bytes it must move (weights, state read and w
   python -m experiments.perf.bench_gdn --small          # tiny widths, runs on CPU (smoke)
 
 Prints one JSON row per (batch, budget) and a table; a tree here is a chain when B = 0 (AR) and
-otherwise a random tree of that many nodes (each node's parent drawn below it).
+otherwise a random tree of that many nodes (each node's parent drawn below it). A layer alone is
+too short to time by its call (the launch costs more than the layer), so one program applies it
+`--stack` times over (its output the next input, the committed state carried) and the layer's
+time is the slope between that and a program of one.
 """
 
 import json
@@ -23,6 +26,7 @@ from experiments.perf import common_flags, harness
 common_flags.define("small", "repeats", "json_out", shape="qwen3.5-9b")
 flags.DEFINE_string("budgets", "0,16,32,64,128", "tree budgets (0: the root alone)")
 flags.DEFINE_string("batches", "1,8", "batch sizes")
+flags.DEFINE_integer("stack", 8, "layer applications per timed program (the slope's far end)")
 FLAGS = flags.FLAGS
 
 
@@ -48,11 +52,17 @@ def main(_):
   rng = np.random.default_rng(0)
   rows = []
 
-  @jax.jit
-  def run(x, positions, visible, state, window, src, count):
-    y, pending = gd.block(p, d, x, positions, visible, state, window, chain=False)
-    return y, gd.commit_block(state, window, pending, src, count)
+  def stacked(k):
+    """k applications of the layer, each verifying the tree and committing its path."""
+    def run(x, positions, visible, state, window, src, count):
+      def layer(_, carry):
+        x, state, window = carry
+        y, pending = gd.block(p, d, x, positions, visible, state, window, chain=False)
+        return (y, *gd.commit_block(state, window, pending, src, count))
+      return jax.lax.fori_loop(0, k, layer, (x, state, window))
+    return jax.jit(run)
 
+  one, many = stacked(1), stacked(FLAGS.stack)
   for b in harness.ints(FLAGS.batches):
     for budget in harness.ints(FLAGS.budgets):
       n = budget + 1
@@ -68,7 +78,8 @@ def main(_):
       src = jnp.broadcast_to(jnp.asarray(path, jnp.int32), (b, len(path)))
       count = jnp.full((b,), len(path), jnp.int32)
       args = (x, positions, visible, state, window, src, count)
-      ms = profiling.median_seconds(run, *args, repeats=FLAGS.repeats) * 1e3
+      t1, tk = (profiling.median_seconds(f, *args, repeats=FLAGS.repeats) for f in (one, many))
+      ms = (tk - t1) / (FLAGS.stack - 1) * 1e3
       floor = (weights + 2 * b * state_bytes) / bw * 1e3
       row = {"shape": FLAGS.shape, "batch": b, "budget": budget, "nodes": n, "ms": ms,
              "floor_ms": floor, "ratio_to_floor": ms / floor,

@@ -28,7 +28,8 @@
 #   experiments/perf/run_h200.sh moe_decode OUT # the MoE decode kernels vs the pair kernels
 #   experiments/perf/run_h200.sh target_sweep OUT # the bundled target's shape from short runs
 #   experiments/perf/run_h200.sh pair_target OUT; ... pair_rest OUT  # the bundled pair, two calls
-#   experiments/perf/run_h200.sh hybrid OUT   # Qwen3.5-9B / Qwen3.6-35B-A3B shapes, the tree's recurrent part
+#   experiments/perf/run_h200.sh hybrid OUT   # Qwen3.5-9B shape, the tree's recurrent part
+#   experiments/perf/run_h200.sh hybrid_moe OUT  # Qwen3.6-35B-A3B shape
 #
 # bench_matrix compiles each batch's programs 8 at a time (configs/bench_matrix.py
 # compile_threads); bench_step compiles serially. experiments/perf/compile_offline.py checks compile
@@ -134,16 +135,18 @@ case $what in
       tar cf - -C $w default_model | split -b 15000000 - "$out/pair.tar."
     fi
     ;;
-  hybrid)  # ~520 s: the hybrids at their model cards' shapes (random bf16): Qwen3.5-9B's AR step
-           # against its floor (weights, KV rows, states in and out) and its chain / DDTree steps
-           # at batch 1 and 8 with their stages; the tree's recurrent part per budget (one Gated
-           # DeltaNet layer, bench_gdn); Qwen3.6-35B-A3B's AR and DDTree steps (bench_moe)
-    timeout 270 $step --shape=qwen3.5-9b --sections=ar,spec --batches=1,8 --prefixes=1024 \
+  hybrid)  # ~500 s: Qwen3.5-9B at its model card's shape (random bf16): the AR step against its
+           # floor (weights, KV rows, states in and out) and the chain / DDTree steps at batch 1
+           # and 8 with their stages, compiled 8 at a time (serially they outlast the call); the
+           # tree's recurrent part per budget (one Gated DeltaNet layer in a program, bench_gdn)
+    timeout 400 $step --shape=qwen3.5-9b --sections=ar,spec --batches=1,8 --prefixes=1024 \
       --spec_prefixes=1024 --budgets=chain,16,32,64,128 --alt_runs= --attention=pallas \
-      --json_out="$out/hybrid_9b.jsonl" >"$out/hybrid_9b.log" 2>&1
-    timeout 60 $py -m experiments.perf.bench_gdn --shape=qwen3.5-9b --budgets=0,16,32,64,128 \
+      --compile_threads=8 --json_out="$out/hybrid_9b.jsonl" >"$out/hybrid_9b.log" 2>&1
+    timeout 150 $py -m experiments.perf.bench_gdn --shape=qwen3.5-9b --budgets=0,16,32,64,128 \
       --batches=1,8 --json_out="$out/hybrid_gdn.jsonl" >"$out/hybrid_gdn.log" 2>&1
-    timeout 180 $py -m experiments.perf.bench_moe --shape=qwen3.6-35b-a3b --compile_threads=8 \
+    ;;
+  hybrid_moe)  # ~450 s: Qwen3.6-35B-A3B's AR and DDTree loop steps (bench_moe), batch 1 and 8
+    timeout 540 $py -m experiments.perf.bench_moe --shape=qwen3.6-35b-a3b --compile_threads=8 \
       --sections=loop --loop_runs="1:ar,16,32,64,128;8:ar,32" --steps=8 --repeats=3 \
       --json_out="$out/hybrid_35b.jsonl" >"$out/hybrid_35b.log" 2>&1
     ;;
@@ -307,7 +310,7 @@ EOF
       --config.out_dir="$out/m8b" >"$out/m8b.log" 2>&1
     tar -C "$out" -czf "$out/m8b.tgz" m8b 2>/dev/null && rm -r "$out/m8b"
     ;;
-  *) echo "usage: $0 compile|step|step8|spec|quick|goals|results|int8|profile|profile_tp|kernel|sweep|gemm|tp|matrix|temperature|m8b|moe|moe_pairs|moe_decode|moe_loop|target_sweep|pair_target|pair_rest|hybrid|mla|mla8k|latent|kimi OUT" >&2
+  *) echo "usage: $0 compile|step|step8|spec|quick|goals|results|int8|profile|profile_tp|kernel|sweep|gemm|tp|matrix|temperature|m8b|moe|moe_pairs|moe_decode|moe_loop|target_sweep|pair_target|pair_rest|hybrid|hybrid_moe|mla|mla8k|latent|kimi OUT" >&2
      exit 2 ;;
 esac
 ls -la "$out"
