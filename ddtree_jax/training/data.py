@@ -241,7 +241,9 @@ def prepare_corpus(workdir: str, vocab_size: int, heldout_fraction: float = 0.02
   """Tokenizer + token streams, cached under `workdir`: tokenizer.json, data/{train,heldout}.npy
   (uint16 when the vocabulary fits) and data/corpus.json (settings, package versions, file
   lists, sizes). Returns (tokenizer, train, heldout) as int32 streams; a cache made with other
-  settings is refused rather than reused."""
+  settings is refused rather than reused. A tokenizer.json already in `workdir` without token
+  caches (one brought from another machine, whose target it must match) encodes the corpus as it
+  is, not retrained."""
   import importlib.metadata  # pylint: disable=import-outside-toplevel
   import json  # pylint: disable=import-outside-toplevel
   from tokenizers import Tokenizer  # pylint: disable=import-outside-toplevel
@@ -265,8 +267,15 @@ def prepare_corpus(workdir: str, vocab_size: int, heldout_fraction: float = 0.02
   heldout = read_split("heldout", root, heldout_fraction, max_files, packages)
   if not train or not heldout:
     raise ValueError(f"no {'train' if not train else 'held-out'} files under {root}")
-  tok = train_tokenizer([t for _, t in train], vocab_size)
-  files.save_tokenizer(tok, tok_path)
+  given = os.path.exists(tok_path)
+  if given:
+    tok = Tokenizer.from_file(tok_path)
+    if tok.get_vocab_size() != vocab_size:
+      raise ValueError(f"{tok_path} has {tok.get_vocab_size()} tokens, not vocab_size "
+                       f"{vocab_size}")
+  else:
+    tok = train_tokenizer([t for _, t in train], vocab_size)
+    files.save_tokenizer(tok, tok_path)
   streams = {}
   for name, docs in (("train", train), ("heldout", heldout)):
     streams[name] = encode_documents(tok, [t for _, t in docs])
@@ -276,7 +285,7 @@ def prepare_corpus(workdir: str, vocab_size: int, heldout_fraction: float = 0.02
   versions = {p: importlib.metadata.version(dists[p][0]) if p in dists else "unknown"
               for p in packages}
   info = {"settings": settings, "root": root, "package_versions": versions,
-          "tokenizer_vocab": tok.get_vocab_size(),
+          "tokenizer_vocab": tok.get_vocab_size(), "tokenizer_given": given,
           "train_files": [r for r, _ in train], "heldout_files": [r for r, _ in heldout],
           "train_bytes": sum(len(t.encode()) for _, t in train),
           "heldout_bytes": sum(len(t.encode()) for _, t in heldout),

@@ -28,6 +28,7 @@
 #   experiments/perf/run_h200.sh moe_decode OUT # the MoE decode kernels vs the pair kernels
 #   experiments/perf/run_h200.sh target_sweep OUT # the bundled target's shape from short runs
 #   experiments/perf/run_h200.sh pair_target OUT; ... pair_rest OUT  # the bundled pair, two calls
+#   experiments/perf/run_h200.sh pair_drafter OUT  # a new drafter for the target in .pair/
 #   experiments/perf/run_h200.sh hybrid OUT   # Qwen3.5-9B shape, the tree's recurrent part
 #   experiments/perf/run_h200.sh hybrid_moe OUT  # Qwen3.6-35B-A3B shape
 #
@@ -134,6 +135,31 @@ case $what in
         drafter/loss.png data/corpus.json 2>/dev/null
       tar cf - -C $w default_model | split -b 15000000 - "$out/pair.tar."
     fi
+    ;;
+  pair_drafter)  # ~560 s: a new drafter for a target trained earlier, in one call: PAIR (default
+                 # .pair, carried) holds its tokenizer.json and target/ (the HF export and
+                 # metrics.json); the corpus is encoded with that tokenizer, then more regenerated
+                 # data than pair_rest's (float32 at default precision, REGEN s) and a longer
+                 # training (TRAIN s, batch 64); installed and packed into OUT as pair_rest does
+    w=${WORKDIR:-out/pair_drafter} src=${PAIR:-.pair}
+    wheels /tmp/site_pair
+    mkdir -p $w/target/hf
+    cp "$src/tokenizer.json" $w/ && cp "$src"/target/hf/* $w/target/hf/ \
+      && cp "$src/target/metrics.json" $w/target/ || exit 1
+    common=(--config.workdir=$w --config.train.progress_bar=False)
+    timeout 120 $py -m experiments.train_tokenizer --config=configs/train_target.py "${common[@]}" \
+      >"$out/pair_corpus.log" 2>&1
+    d=(--config=configs/train_drafter.py "${common[@]}" --config.regen.matmul_precision=default
+       --config.regen.num_sequences=65536 --config.regen.time_budget_s=${REGEN:-180}
+       --config.train.batch_size=64 --config.train.time_budget_s=${TRAIN:-280})
+    timeout 260 $py -m experiments.train_drafter "${d[@]}" --config.stage=regenerate \
+      >"$out/pair_drafter.log" 2>&1
+    timeout 360 $py -m experiments.train_drafter "${d[@]}" --config.stage=train \
+      >>"$out/pair_drafter.log" 2>&1
+    $py -m experiments.install_default --workdir=$w --out=$w/default_model >>"$out/pair_drafter.log" 2>&1
+    tail -n 4 "$out/pair_drafter.log"
+    tar czf "$out/pair_logs.tgz" -C $w drafter/metrics.json drafter/loss.png 2>/dev/null
+    tar cf - -C $w default_model | split -b 15000000 - "$out/pair.tar."
     ;;
   hybrid)  # ~500 s: Qwen3.5-9B at its model card's shape (random bf16): the AR step against its
            # floor (weights, KV rows, states in and out) and the chain / DDTree steps at batch 1
@@ -310,7 +336,7 @@ EOF
       --config.out_dir="$out/m8b" >"$out/m8b.log" 2>&1
     tar -C "$out" -czf "$out/m8b.tgz" m8b 2>/dev/null && rm -r "$out/m8b"
     ;;
-  *) echo "usage: $0 compile|step|step8|spec|quick|goals|results|int8|profile|profile_tp|kernel|sweep|gemm|tp|matrix|temperature|m8b|moe|moe_pairs|moe_decode|moe_loop|target_sweep|pair_target|pair_rest|hybrid|hybrid_moe|mla|mla8k|latent|kimi OUT" >&2
+  *) echo "usage: $0 compile|step|step8|spec|quick|goals|results|int8|profile|profile_tp|kernel|sweep|gemm|tp|matrix|temperature|m8b|moe|moe_pairs|moe_decode|moe_loop|target_sweep|pair_target|pair_rest|pair_drafter|hybrid|hybrid_moe|mla|mla8k|latent|kimi OUT" >&2
      exit 2 ;;
 esac
 ls -la "$out"
