@@ -140,7 +140,8 @@ case $what in
                  # .pair, carried) holds its tokenizer.json and target/ (the HF export and
                  # metrics.json); the corpus is encoded with that tokenizer, then more regenerated
                  # data than pair_rest's (float32 at default precision, REGEN s) and a longer
-                 # training (TRAIN s, batch 64); installed and packed into OUT as pair_rest does
+                 # training (TRAIN s, batch 64); installed and packed into OUT as pair_rest does.
+                 # DRAFTER_ARGS: more overrides (a CPU check: a few small batches and steps)
     w=${WORKDIR:-out/pair_drafter} src=${PAIR:-.pair}
     wheels /tmp/site_pair
     mkdir -p $w/target/hf
@@ -151,7 +152,7 @@ case $what in
       >"$out/pair_corpus.log" 2>&1
     d=(--config=configs/train_drafter.py "${common[@]}" --config.regen.matmul_precision=default
        --config.regen.num_sequences=65536 --config.regen.time_budget_s=${REGEN:-180}
-       --config.train.batch_size=64 --config.train.time_budget_s=${TRAIN:-280})
+       --config.train.batch_size=64 --config.train.time_budget_s=${TRAIN:-280} ${DRAFTER_ARGS:-})
     timeout 260 $py -m experiments.train_drafter "${d[@]}" --config.stage=regenerate \
       >"$out/pair_drafter.log" 2>&1
     timeout 360 $py -m experiments.train_drafter "${d[@]}" --config.stage=train \
