@@ -19,7 +19,10 @@ axis to a mesh axis. The layouts:
   like the target's (replicated when a draft vocabulary's Vd is not divisible), draft_vocab
   replicated
   MoE experts w_gate_up [E, H, 2, I], w_down [E, I, H]: E over ep, I over tp; router replicated
-  KV cache [L, B, K, S, D]: B over dp, K over tp; per-sequence decode state over dp
+  Gated DeltaNet w_qkv [H, Hk, G], conv [K, Hk, G] split Hk (key-head groups); w_z, w_b, w_a,
+  dt_bias, A_log split Hv; w_out [Hv dv, H] split rows (row parallel); its norm replicated
+  KV cache [L, B, K, S, D]: B over dp, K over tp; per-sequence decode state over dp; Gated
+  DeltaNet state [Lr, B, Hv, dk, dv] split Hv, window [Lr, B, K-1, Hk, G] split Hk
 
 Everything else is GSPMD: params and caches carry NamedShardings and jit propagates them. The
 kernels (attention, the Pallas q/k norm + RoPE, the embedding lookup) run per shard inside
@@ -62,6 +65,7 @@ class ShardingRules:
   vocab: str | None = "tp"
   fc: str | None = "tp"           # drafter fc output columns
   experts: str | None = "ep"      # a MoE layer's experts (expert parallelism)
+  linear_heads: str | None = "tp"  # a Gated DeltaNet layer's key-head groups (and their state)
 
   def __post_init__(self):
     if self.kv_heads is not None and self.kv_heads != self.heads:
@@ -73,10 +77,11 @@ DEFAULT_RULES = ShardingRules()
 
 # Named layouts (`--mesh_layout`, `rules_from_flags`). "split": every layer's heads and MLP width
 # over tp, two all-reduces per layer. "replicated_attention": attention weights and KV caches
-# whole on every device, only the MLP (and the vocab) split: one all-reduce per layer, for small
-# batches, where a collective's latency costs more than reading the attention weights.
+# (and a hybrid's Gated DeltaNet layers) whole on every device, only the MLP (and the vocab)
+# split: one all-reduce per layer, for small batches, where a collective's latency costs more
+# than reading the attention weights.
 LAYOUTS = {"split": DEFAULT_RULES,
-           "replicated_attention": ShardingRules(heads=None, kv_heads=None)}
+           "replicated_attention": ShardingRules(heads=None, kv_heads=None, linear_heads=None)}
 
 
 def make_mesh(shape: dict[str, int] | None = None, devices=None) -> Mesh:

@@ -112,14 +112,23 @@ CH = 2 * 2 * 8 + 4 * 6
 
 
 def _layer_params(seed=0):
+  """Random weights with w_qkv [H, C] and conv [K, C] in HF's channel order (q | k | v): the
+  oracle's layout; `_grouped` gives the layer's."""
   rng = np.random.default_rng(seed)
   w = lambda *s: jnp.asarray(rng.normal(size=s) * 0.3, jnp.float32)
   return gd.GDNParams(w_qkv=w(HID, CH), w_z=w(HID, 24), w_b=w(HID, 4), w_a=w(HID, 4),
                       conv=w(KER, CH), dt_bias=w(4), a_log=w(4), norm=1 + w(6), w_out=w(24, HID))
 
 
+def _grouped(p):
+  """HF-order params as the layer holds them: w_qkv [H, Hk, G], conv [K, Hk, G]."""
+  return dataclasses.replace(p, w_qkv=gd.group_channels(p.w_qkv, DIMS),
+                             conv=gd.group_channels(p.conv, DIMS))
+
+
 def _oracle(p, xs, state, window):
-  """Token by token in float64: (outputs [T, H], state, window)."""
+  """Token by token in float64, on HF-order params and window [K-1, C]: (outputs [T, H], state,
+  window)."""
   p = {f.name: np.asarray(getattr(p, f.name), np.float64) for f in dataclasses.fields(p)}
   silu = lambda a: a / (1 + np.exp(-a))
   state, window, out = np.array(state, np.float64), np.array(window, np.float64), []
@@ -150,30 +159,42 @@ def _oracle(p, xs, state, window):
 def test_layer_prefill_tree_and_commit_equal_the_token_loop():
   """Prefill (chunked, not a multiple of the chunk) from a committed state and window; then a
   tree whose every node equals the loop over its own root path; then committing one path and
-  prefilling more equals the loop over prompt + path + continuation."""
-  p = _layer_params()
+  prefilling more equals the loop over prompt + path + continuation. The layer runs on the
+  group-major layout (`group_channels` of the weights and the window), the oracle on HF's."""
+  p, layer = _layer_params(), _grouped(_layer_params())
   rng = np.random.default_rng(1)
   x = jnp.asarray(rng.normal(size=(11, HID)), jnp.float32)
   state = jnp.asarray(rng.normal(size=(4, 8, 6)) * 0.1, jnp.float32)
   window = jnp.asarray(rng.normal(size=(KER - 1, CH)) * 0.3, jnp.float32)
-  y, s1, w1 = gd.prefill(p, DIMS, x, state, window, chunk=4)
+  y, s1, w1 = gd.prefill(layer, DIMS, x, state, gd.group_channels(window, DIMS), chunk=4)
   y_ref, s_ref, w_ref = _oracle(p, x, state, window)
   _close(y, y_ref, 1e-4)
   _close(s1, s_ref, 1e-4)
-  _close(w1, w_ref, 1e-5)
+  _close(w1, gd.group_channels(w_ref, DIMS), 1e-5)
+  w_ref = jnp.asarray(w_ref, jnp.float32)
   parents = jnp.asarray([-1, 0, 0, 1, 2, 3, 3, 6])
   nodes = jnp.asarray(rng.normal(size=(8, HID)), jnp.float32)
-  out, pending = gd.tree_forward(p, DIMS, nodes, parents, s1, w1)
+  out, pending = gd.tree_forward(layer, DIMS, nodes, parents, s1, w1)
   anc = np.asarray(gd.ancestors_of(parents))
   for j in range(8):
     path = np.flatnonzero(anc[j])
-    _close(out[j], _oracle(p, nodes[path], s1, w1)[0][-1], 1e-4)
+    _close(out[j], _oracle(p, nodes[path], s1, w_ref)[0][-1], 1e-4)
   path = np.flatnonzero(anc[7])                       # 0 -> 1 -> 3 -> 6 -> 7
   s2, w2 = gd.commit_tree(s1, w1, pending, jnp.asarray(anc[7]), 7)
   more = jnp.asarray(rng.normal(size=(5, HID)), jnp.float32)
-  y3 = gd.prefill(p, DIMS, more, s2, w2, chunk=4)[0]
-  want = _oracle(p, jnp.concatenate([nodes[path], more]), s1, w1)[0][-5:]
+  y3 = gd.prefill(layer, DIMS, more, s2, w2, chunk=4)[0]
+  want = _oracle(p, jnp.concatenate([nodes[path], more]), s1, w_ref)[0][-5:]
   _close(y3, want, 1e-4)
+
+
+def test_group_channels_puts_each_key_heads_value_heads_beside_it():
+  """HF's channels q | k | v (2 key heads of 3, r = 2 value heads of 2 each), tagged by index:
+  group h holds q_h, k_h and value heads 2h, 2h + 1 (value head j reads key head j // r)."""
+  dims = gd.GDNDims(key_heads=2, value_heads=4, key_dim=3, value_dim=2)
+  got = gd.group_channels(np.arange(dims.conv_dim)[None], dims)
+  assert got.shape == (1, 2, dims.group_dim) and dims.group_dim == 10
+  assert got[0].tolist() == [[0, 1, 2, 6, 7, 8, 12, 13, 14, 15],
+                             [3, 4, 5, 9, 10, 11, 16, 17, 18, 19]]
 
 
 def test_qwen3_next_projections_unfuse_by_key_head_group():
@@ -198,9 +219,10 @@ def test_qwen3_next_projections_unfuse_by_key_head_group():
 
 def _hf_forward(name, tokens):
   """Logits [T, V] of a hybrid fixture for one sequence: zero-centred RMSNorms, Gated DeltaNet
-  layers through `gd.prefill` from a zero state and window (Qwen3-Next's projections unfused),
-  gated full attention with partial rotary, dense MLPs or experts + a sigmoid-gated shared
-  expert. Float32, no cache: the weights and conventions against transformers' logits."""
+  layers through `gd.prefill` from a zero state and window (Qwen3-Next's projections unfused;
+  the convolved channels regrouped, `group_channels`), gated full attention with partial rotary,
+  dense MLPs or experts + a sigmoid-gated shared expert. Float32, no cache: the weights and
+  conventions against transformers' logits."""
   d = os.path.join(FIXTURES, name)
   with open(os.path.join(d, "config.json")) as f:
     c = json.load(f)
@@ -234,13 +256,13 @@ def _hf_forward(name, tokens):
       else:
         w = {k: t[la + f"in_proj_{k}.weight"] for k in ("qkv", "z", "b", "a")}
       p = gd.GDNParams(
-          w_qkv=jnp.asarray(w["qkv"]).T, w_z=jnp.asarray(w["z"]).T, w_b=jnp.asarray(w["b"]).T,
-          w_a=jnp.asarray(w["a"]).T, conv=t[la + "conv1d.weight"][:, 0, :].T,
+          w_qkv=gd.group_channels(jnp.asarray(w["qkv"]).T, dims), w_z=jnp.asarray(w["z"]).T,
+          w_b=jnp.asarray(w["b"]).T, w_a=jnp.asarray(w["a"]).T,
+          conv=gd.group_channels(t[la + "conv1d.weight"][:, 0, :].T, dims),
           dt_bias=t[la + "dt_bias"], a_log=t[la + "A_log"], norm=t[la + "norm.weight"],
           w_out=t[la + "out_proj.weight"].T)
-      conv_dim = p.w_qkv.shape[1]
       state = jnp.zeros((dims.value_heads, dims.key_dim, dims.value_dim))
-      window = jnp.zeros((c["linear_conv_kernel_dim"] - 1, conv_dim))
+      window = jnp.zeros((c["linear_conv_kernel_dim"] - 1, dims.key_heads, dims.group_dim))
       y = gd.prefill(p, dims, x, state, window, chunk=4)[0]
     else:
       sa = pre + "self_attn."

@@ -1,6 +1,7 @@
 """Hybrid targets (Qwen3.5, Qwen3-Next: Gated DeltaNet + gated attention): loading as shipped,
 lossless speculative decoding whose accepted paths run through differing siblings, the slot
-server, sampling. HF parity of the fixtures: tests/test_model.py."""
+server, meshes (the Gated DeltaNet layers split over tp by key-head group), sampling. HF parity of
+the fixtures: tests/test_model.py."""
 
 import json
 import os
@@ -11,18 +12,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import ddtree_jax as dj
 from ddtree_jax.checkpoints.safetensors_io import read_safetensors, write_safetensors
-from ddtree_jax import sharding
+from ddtree_jax import engine, sharding
 from ddtree_jax.checkpoints.hf import Target
 from ddtree_jax.models import decoder
 from ddtree_jax.models.config import ModelConfig
+from ddtree_jax.models import gated_deltanet as gd
 from ddtree_jax.models.gated_deltanet import GDNDims
 from ddtree_jax.request import GenerateOptions
 from ddtree_jax.serving import slots
 from ddtree_jax.models.registry import config_from_hf
 from conftest import FIXTURES
+from experiments.perf import collectives
 from helpers import (assert_accepted, assert_close_rel, assert_lossless,
                      assert_real_drafter_lossless, drafter_and_ar, load_fixture, oracle_drafter,
                      write_drafter)
@@ -98,7 +102,8 @@ def test_cache_holds_kv_rows_for_attention_layers_and_a_state_for_the_others():
   d = cfg.gdn
   assert cache.k.shape == (1, 2, cfg.num_kv_heads, 16, cfg.head_dim)
   assert cache.state.shape == (3, 2, d.value_heads, d.key_dim, d.value_dim)
-  assert cache.window.shape == (3, 2, d.conv_kernel - 1, d.conv_dim)
+  assert cache.window.shape == (3, 2, d.conv_kernel - 1, d.key_heads, d.group_dim)
+  assert d.key_heads * d.group_dim == d.conv_dim
 
 
 def _fuse_experts(tensors, layers, experts):
@@ -199,20 +204,74 @@ def test_slot_server_requests_joining_and_leaving_get_ar_tokens(tmp_path):
 @pytest.mark.parametrize("shape", [{"dp": 2, "tp": 2}, {"dp": 4, "tp": 2},
                                    {"dp": 2, "tp": 2, "ep": 2}])
 def test_a_mesh_gives_one_devices_tokens(pairs, shape):
-  """Batch over dp (the recurrent states with it, padded to a multiple), attention heads, MLP
-  widths and vocabulary over tp, experts over ep: AR's tokens, and the drafter's acceptance of
-  one device."""
+  """Batch over dp (the recurrent states with it, padded to a multiple), attention heads, Gated
+  DeltaNet key-head groups (their weights, states and windows), MLP widths and vocabulary over
+  tp, experts over ep: AR's tokens, and the drafter's acceptance of one device."""
   target, drafter, ar = pairs(FULL)
   one = dj.generate(target, PROMPTS, method="ddtree", drafter=drafter, budget=16,
                     max_new_tokens=M, stop_token_ids=())
   mesh = sharding.make_mesh(shape)
   sharded = dj.load_target(os.path.join(FIXTURES, target.config.model_type), dtype="float32",
                            mesh=mesh)
-  res = dj.generate(sharded, PROMPTS, method="ddtree", drafter=dj.load_drafter(drafter.path,
-                                                                               sharded),
-                    budget=16, max_new_tokens=M, stop_token_ids=())
+  sharded_drafter = dj.load_drafter(drafter.path, sharded)
+  d, tp, hid = target.config.gdn, shape["tp"], target.config.hidden_size
+  local = lambda a: a.sharding.shard_shape(a.shape)
+  gdn = sharded.params.layers[target.config.recurrent_layers[0]].gdn
+  assert local(gdn.w_qkv) == (hid, d.key_heads // tp, d.group_dim)
+  assert local(gdn.conv) == (d.conv_kernel, d.key_heads // tp, d.group_dim)
+  assert local(gdn.w_out) == (d.value_heads * d.value_dim // tp, hid)
+  cache = engine.prefill_state(sharded, PROMPTS, method="ddtree", drafter=sharded_drafter,
+                               budget=16, max_new_tokens=M, stop_token_ids=())[0].cache
+  assert local(cache.state)[2:] == (d.value_heads // tp, d.key_dim, d.value_dim)
+  assert local(cache.window)[3:] == (d.key_heads // tp, d.group_dim)
+  res = dj.generate(sharded, PROMPTS, method="ddtree", drafter=sharded_drafter, budget=16,
+                    max_new_tokens=M, stop_token_ids=())
   assert res.tokens == one.tokens == ar
   assert res.stats["acceptance_lengths"] == one.stats["acceptance_lengths"]
+
+
+@pytest.mark.parametrize("chain", [False, True])
+def test_a_gated_deltanet_layer_split_over_tp_communicates_only_its_output(chain):
+  """The layer laid out by its `partition_specs` on dp 2 x tp 2, a tree's verify and commit (or a
+  prompt's, chain): after XLA's SPMD partitioner its only float collective is the all-reduce of
+  its output [B / dp, T, H] (w_out row parallel), nothing gathers its weights, state or window.
+  (XLA exchanges the few bools of the commit's accepted-path mask with or without tp: not
+  counted.)"""
+  d, hid, b, t = GDNDims(2, 4, 16, 12), 64, 4, 9
+  mesh = sharding.make_mesh({"dp": 2, "tp": 2})
+  on = lambda a, spec: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, spec))
+  params = jax.eval_shape(lambda: gd.init_params(d, hid, jax.random.key(0), jnp.float32))
+  params = jax.tree.map(on, params, params.partition_specs(sharding.Axes(
+      mesh, sharding.DEFAULT_RULES)), is_leaf=lambda a: isinstance(a, jax.ShapeDtypeStruct))
+  rows = lambda dtype, *shape: on(jax.ShapeDtypeStruct((b, *shape), dtype), P("dp"))
+  state = on(jax.ShapeDtypeStruct((b, d.value_heads, d.key_dim, d.value_dim), jnp.float32),
+             P("dp", "tp"))
+  window = on(jax.ShapeDtypeStruct((b, d.conv_kernel - 1, d.key_heads, d.group_dim),
+                                   jnp.float32), P("dp", None, "tp"))
+
+  def layer(p, x, positions, visible, state, window, src, count):
+    y, pending = gd.block(p, d, x, positions, visible, state, window, chain=chain)
+    return y, gd.commit_block(state, window, pending, src, count)
+  out = (NamedSharding(mesh, P("dp")), (state.sharding, window.sharding))
+  lowered = jax.jit(layer, out_shardings=out).lower(
+      params, rows(jnp.float32, t, hid), rows(jnp.int32, t), rows(jnp.bool_, t, t), state,
+      window, rows(jnp.int32, t), rows(jnp.int32))
+  found = collectives.collectives(collectives.compile_partitioned(lowered)[0])
+  assert [(c.kind, c.types) for c in found if not c.types.startswith("pred")] == [
+      ("all-reduce", f"f32[{b // 2},{t},{hid}]")]
+
+
+def test_key_heads_that_tp_does_not_divide_are_refused_or_replicated():
+  """Hk = 2 on tp = 4: refused naming the dimension; `linear_heads=None` replicates the layer."""
+  params = jax.eval_shape(lambda: gd.init_params(GDNDims(2, 4, 16, 12), 64, jax.random.key(0),
+                                                 jnp.float32))
+  mesh = sharding.make_mesh({"dp": 1, "tp": 4})
+  with pytest.raises(ValueError, match=r"key heads \(2\) is not divisible by mesh axis 'tp' of "
+                                       r"size 4.*linear_heads=None"):
+    params.partition_specs(sharding.Axes(mesh, sharding.DEFAULT_RULES))
+  specs = params.partition_specs(sharding.Axes(mesh, sharding.ShardingRules(linear_heads=None)))
+  assert all(s == P(*[None] * len(s)) for s in jax.tree.leaves(
+      specs, is_leaf=lambda x: isinstance(x, P)))
 
 
 def test_sampling_with_a_hybrid_target_follows_its_distribution(tmp_path):

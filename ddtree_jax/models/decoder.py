@@ -167,7 +167,7 @@ class KVCache:
   v: Array                 # [La, B, K, S, D]
   lens: Array              # [B] int32
   state: Array | None = None   # [Lr, B, Hv, dk, dv] float32
-  window: Array | None = None  # [Lr, B, K-1, C]
+  window: Array | None = None  # [Lr, B, K-1, Hk, G]: per key-head group (`GDNParams.conv`)
 
   @property
   def capacity(self) -> int:
@@ -175,12 +175,16 @@ class KVCache:
 
   def partition_specs(self, axes) -> KVCache:
     """[L, B, K, S, D]: B over dp, K over tp; a latent cache (MLA: one row per token for all
-    heads, v empty) replicated over tp."""
+    heads, v empty) replicated over tp. Gated DeltaNet: B over dp, the state's value heads and
+    the window's key-head groups over tp, as their layer's weights (`GDNParams`)."""
     bt = axes("batch", self.lens.shape[0], "batch")
     kv = None if self.v.shape[-1] == 0 else axes("kv_heads", self.k.shape[2], "kv heads")
     spec = P(None, bt, kv, None, None)
-    rec = lambda x: None if x is None else P(None, bt, *[None] * (x.ndim - 2))
-    return KVCache(k=spec, v=spec, lens=P(bt), state=rec(self.state), window=rec(self.window))
+    state = window = None
+    if self.state is not None:
+      g = axes("linear_heads", self.window.shape[3], "Gated DeltaNet key heads")
+      state, window = P(None, bt, g, None, None), P(None, bt, None, g, None)
+    return KVCache(k=spec, v=spec, lens=P(bt), state=state, window=window)
 
 
 @jax.tree_util.register_dataclass
@@ -212,7 +216,7 @@ def init_target_cache(cfg: ModelConfig, batch: int, capacity: int, dtype) -> KVC
   d, lr = cfg.gdn, len(cfg.recurrent_layers)
   return dataclasses.replace(
       cache, state=jnp.zeros((lr, batch, d.value_heads, d.key_dim, d.value_dim), jnp.float32),
-      window=jnp.zeros((lr, batch, d.conv_kernel - 1, d.conv_dim), dtype))
+      window=jnp.zeros((lr, batch, d.conv_kernel - 1, d.key_heads, d.group_dim), dtype))
 
 
 def commit(cache: KVCache, pending: Pending, src, count) -> KVCache:
@@ -278,7 +282,7 @@ def mlp_block(layer, cfg, x, h, next_norm, kernels: kernels_lib.Kernels = kernel
 
 def recurrent_block(layer, cfg, x, h, positions, new_mask, state, window, chain: bool):
   """Residual Gated DeltaNet sub-block over x with h = its input RMSNorm (`gated_deltanet.block`;
-  state [B, Hv, dk, dv], window [B, K-1, C] the committed ones) -> x', the MLP's input norm of
+  state [B, Hv, dk, dv], window [B, K-1, Hk, G] the committed ones) -> x', the MLP's input norm of
   x' and the layer's pending rows."""
   y, pending = gdn_lib.block(layer.gdn, cfg.gdn, h, positions, new_mask, state, window, chain)
   x = x + y.astype(x.dtype)

@@ -27,11 +27,13 @@ node, the inputs along its own root path, continued into the committed window of
 inputs: `tree_conv` walks each node's path back K - 1 steps through the parents, then the window;
 `commit_window` keeps the last K - 1 inputs of the accepted path.
 
-The layer around the rule (`GDNParams`, Qwen3.5's layout; Qwen3-Next's fused projections are
-the same weights permuted): q / k / v from one projection through the convolution and SiLU, q and
-k L2-normed (q also scaled by dk^-0.5) and repeated from the key heads to the value heads (value
-head h reads key head h // r), beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias), then
-per value head an RMSNorm of the output gated by silu(z), and the out projection. `prefill` runs
+The layer around the rule (`GDNParams`): q / k / v from one projection through the convolution
+and SiLU, q and k L2-normed (q also scaled by dk^-0.5) and repeated from the key heads to the
+value heads (value head j reads key head j // r, r = Hv / Hk, transformers' repeat_interleave),
+beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias), then per value head an RMSNorm of the
+output gated by silu(z), and the out projection. The convolved channels are kept group-major
+(`group_channels`): per key head h its q, its k and the v of its r value heads, so that a slice
+of key heads is a whole group and tensor parallelism splits the layer by groups. `prefill` runs
 it over a prompt (chunked), `tree_forward` over a draft tree, `commit_tree` keeps the accepted
 path's state and window. `block` / `commit_block` are the same over a batch, in the decoder's
 terms (positions and a visibility mask, as attention gets; the accepted rows as `decoder.commit`
@@ -140,10 +142,10 @@ def _step_back(pos, parents, w: int):
 
 
 def tree_conv(x, parents, window, weight):
-  """Causal depthwise convolution of every node over its root path: x [N, C] the nodes' inputs,
-  parents [N] (-1: a child of the committed inputs), window [K-1, C] the last committed inputs
-  (newest last), weight [K, C] (weight[K-1] multiplies the node's own input) -> [N, C] float32,
-  before the activation."""
+  """Causal depthwise convolution of every node over its root path: x [N, *C] the nodes' inputs
+  (C any channel shape), parents [N] (-1: a child of the committed inputs), window [K-1, *C] the
+  last committed inputs (newest last), weight [K, *C] (weight[K-1] multiplies the node's own
+  input) -> [N, *C] float32, before the activation."""
   k, w = weight.shape[0], window.shape[0]
   if w != k - 1:
     raise ValueError(f"tree_conv: a window of {w} rows for a kernel of {k} (needs {k - 1})")
@@ -172,20 +174,25 @@ def commit_window(window, x, parents, last):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class GDNParams:
-  """One Gated DeltaNet layer: Hk key heads of dk, Hv value heads of dv, hidden H, kernel K."""
-  w_qkv: Array     # [H, 2 Hk dk + Hv dv]: q | k | v, head-major (the convolved channels)
+  """One Gated DeltaNet layer: Hk key heads of dk, Hv = r Hk value heads of dv, hidden H, kernel
+  K; G = 2 dk + r dv channels per key-head group (`group_channels`)."""
+  w_qkv: Array     # [H, Hk, G]: per group q_h | k_h | v of its r value heads (convolved)
   w_z: Array       # [H, Hv dv]: the output gate
   w_b: Array       # [H, Hv]: write strength, beta = sigmoid(b)
   w_a: Array       # [H, Hv]: decay input
-  conv: Array      # [K, 2 Hk dk + Hv dv]: conv[K-1] multiplies the newest input
+  conv: Array      # [K, Hk, G]: conv[K-1] multiplies the newest input
   dt_bias: Array   # [Hv]
   a_log: Array     # [Hv]
   norm: Array      # [dv]: the gated RMSNorm's weight (1 is identity: not zero-centred)
   w_out: Array     # [Hv dv, H]
 
   def partition_specs(self, axes) -> GDNParams:
-    """Replicated: every device runs the whole layer (its heads are not split over tp)."""
-    return jax.tree.map(lambda _: P(), self)
+    """Key-head groups over tp (`linear_heads`): w_qkv and conv on Hk, the per-value-head weights
+    on Hv (a group's value heads are contiguous), w_out row parallel (XLA adds the all-reduce, as
+    after attention's wo); norm replicated."""
+    g = axes("linear_heads", self.w_qkv.shape[1], "Gated DeltaNet key heads")
+    return GDNParams(w_qkv=P(None, g, None), w_z=P(None, g), w_b=P(None, g), w_a=P(None, g),
+                     conv=P(None, g, None), dt_bias=P(g), a_log=P(g), norm=P(), w_out=P(g, None))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,14 +207,19 @@ class GDNDims:
 
   @property
   def conv_dim(self) -> int:
-    """C, the convolved channels: q | k | v."""
-    return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+    """C = Hk G, the convolved channels."""
+    return self.key_heads * self.group_dim
+
+  @property
+  def group_dim(self) -> int:
+    """G = 2 dk + r dv, one key-head group's channels: its q, its k, its r value heads' v."""
+    return 2 * self.key_dim + self.value_heads // self.key_heads * self.value_dim
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Pending:
-  """What a verified tree leaves for `commit_tree`: the nodes' convolution inputs [N, C], keys
+  """What a verified tree leaves for `commit_tree`: the nodes' convolution inputs [N, Hk, G], keys
   [N, Hv, dk] (normed), deltas [N, Hv, dv], summed decays G [N, Hv] and parents [N]."""
   inputs: Array
   k: Array
@@ -219,7 +231,7 @@ class Pending:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Prefilled:
-  """What a prompt leaves: the state [Hv, dk, dv] and window [K-1, C] after its last token."""
+  """What a prompt leaves: the state [Hv, dk, dv] and window [K-1, Hk, G] after its last token."""
   state: Array
   window: Array
 
@@ -229,14 +241,14 @@ def _l2norm(x):
 
 
 def _rule_inputs(p: GDNParams, d: GDNDims, x, conv_out):
-  """(q, k [N, Hv, dk], v [N, Hv, dv], g, beta [N, Hv]) float32 from the convolved channels."""
-  n, kd = conv_out.shape[0], d.key_heads * d.key_dim
+  """(q, k [N, Hv, dk], v [N, Hv, dv], g, beta [N, Hv]) float32 from the convolved channels
+  [N, Hk, G]."""
+  dk = d.key_dim
   act = jax.nn.silu(conv_out).astype(x.dtype).astype(F32)
-  r = d.value_heads // d.key_heads
-  heads = lambda a: jnp.repeat(a.reshape(n, d.key_heads, d.key_dim), r, axis=1)
-  q = _l2norm(heads(act[:, :kd])) * d.key_dim ** -0.5
-  k = _l2norm(heads(act[:, kd:2 * kd]))
-  v = act[:, 2 * kd:].reshape(n, d.value_heads, d.value_dim)
+  heads = lambda a: jnp.repeat(a, d.value_heads // d.key_heads, axis=1)
+  q = _l2norm(heads(act[..., :dk])) * dk ** -0.5
+  k = _l2norm(heads(act[..., dk:2 * dk]))
+  v = act[..., 2 * dk:].reshape(act.shape[0], d.value_heads, d.value_dim)
   beta = jax.nn.sigmoid(x @ p.w_b).astype(F32)
   g = -jnp.exp(p.a_log.astype(F32)) * jax.nn.softplus((x @ p.w_a).astype(F32)
                                                      + p.dt_bias.astype(F32))
@@ -252,12 +264,12 @@ def _output(p: GDNParams, d: GDNDims, x, o):
 
 
 def prefill(p: GDNParams, d: GDNDims, x, state, window, valid=None, chunk: int = 64):
-  """A prompt x [T, H] after the committed (state [Hv, dk, dv], window [K-1, C]) -> (y [T, H],
+  """A prompt x [T, H] after the committed (state [Hv, dk, dv], window [K-1, Hk, G]) -> (y [T, H],
   state, window). valid [T] bool (right padding false): the state and window are those after
   the last valid token (padding gets g = beta = 0, which leaves the state as it is)."""
   t = x.shape[0]
   chain = jnp.arange(t) - 1
-  inputs = x @ p.w_qkv
+  inputs = jnp.einsum("th,hgc->tgc", x, p.w_qkv)
   q, k, v, g, beta = _rule_inputs(p, d, x, tree_conv(inputs, chain, window, p.conv))
   last = t - 1
   if valid is not None:
@@ -271,7 +283,7 @@ def tree_forward(p: GDNParams, d: GDNDims, x, parents, state, window, ancestors=
   """Draft-tree nodes x [N, H] (parents [N], parents first; -1 hangs off the committed state;
   ancestors [N, N] = `ancestors_of(parents)` when known) -> (y [N, H], Pending): each node's
   output is the layer's along its own root path."""
-  inputs = x @ p.w_qkv
+  inputs = jnp.einsum("th,hgc->tgc", x, p.w_qkv)
   q, k, v, g, beta = _rule_inputs(p, d, x, tree_conv(inputs, parents, window, p.conv))
   anc = ancestors_of(parents) if ancestors is None else ancestors
   o, delta, big_g = tree(q, k, v, g, beta, state, anc)
@@ -296,7 +308,7 @@ def block(p: GDNParams, d: GDNDims, x, positions, visible, state, window, chain:
           chunk: int = 64):
   """The layer over a batch: x [B, T, H], positions [B, T], visible [B, T, T] (a causal mask with
   padding when `chain`, a draft tree's ancestor-or-self visibility otherwise), the committed
-  state [B, Hv, dk, dv] and window [B, K-1, C] -> (y [B, T, H], Prefilled (chain: a prompt,
+  state [B, Hv, dk, dv] and window [B, K-1, Hk, G] -> (y [B, T, H], Prefilled (chain: a prompt,
   chunked) or Pending (a tree) per row)."""
   if chain:
     valid = jnp.diagonal(visible, axis1=1, axis2=2)
@@ -308,7 +320,7 @@ def block(p: GDNParams, d: GDNDims, x, positions, visible, state, window, chain:
 
 
 def commit_block(state, window, pending, src, count):
-  """(state [B, Hv, dk, dv], window [B, K-1, C]) after each row's accepted rows: src [B, R] the
+  """(state [B, Hv, dk, dv], window [B, K-1, Hk, G]) after each row's accepted rows: src [B, R] the
   verified rows kept, in path order, count [B] how many (`decoder.commit`'s arguments). A
   Prefilled block holds them already (src, count: the prompt's rows)."""
   if isinstance(pending, Prefilled):
@@ -326,11 +338,11 @@ def init_params(d: GDNDims, hidden: int, key, dtype, std: float = 0.02) -> GDNPa
   PyTorch's scale for its fan-in K."""
   ks = jax.random.split(key, 7)
   w = lambda k, *shape: (std * jax.random.normal(k, shape, F32)).astype(dtype)
-  hv, c = d.value_heads, d.conv_dim
-  conv = jax.random.normal(ks[4], (d.conv_kernel, c)) * d.conv_kernel ** -0.5
+  hv, groups = d.value_heads, (d.key_heads, d.group_dim)
+  conv = jax.random.normal(ks[4], (d.conv_kernel, *groups)) * d.conv_kernel ** -0.5
   return GDNParams(
-      w_qkv=w(ks[0], hidden, c), w_z=w(ks[1], hidden, hv * d.value_dim), w_b=w(ks[2], hidden, hv),
-      w_a=w(ks[3], hidden, hv), conv=conv.astype(dtype),
+      w_qkv=w(ks[0], hidden, *groups), w_z=w(ks[1], hidden, hv * d.value_dim),
+      w_b=w(ks[2], hidden, hv), w_a=w(ks[3], hidden, hv), conv=conv.astype(dtype),
       dt_bias=jnp.ones((hv,), dtype),
       a_log=jnp.log(jax.random.uniform(ks[5], (hv,), F32, 0.01, 16.0)).astype(dtype),
       norm=jnp.ones((d.value_dim,), dtype), w_out=w(ks[6], hv * d.value_dim, hidden))
@@ -340,7 +352,8 @@ def unfuse_qwen3_next(w_qkvz, w_ba, d: GDNDims) -> dict[str, np.ndarray]:
   """Qwen3-Next's fused projections (HF [out, in]) in Qwen3.5's layout: per key head g the
   fused rows are [q_g | k_g | v and z of its r value heads], and b / a [b of its r | a of its r];
   returns {"qkv": [2 Hk dk + Hv dv, in] (all q, all k, all v, head-major), "z": [Hv dv, in],
-  "b": [Hv, in], "a": [Hv, in]}: the same layer, so one layout serves both families."""
+  "b": [Hv, in], "a": [Hv, in]}: the same layer, so one layout (then `group_channels`) serves
+  both families."""
   hk, dk, dv = d.key_heads, d.key_dim, d.value_dim
   r = d.value_heads // hk
   w = np.asarray(w_qkvz).reshape(hk, 2 * dk + 2 * r * dv, -1)
@@ -349,3 +362,13 @@ def unfuse_qwen3_next(w_qkvz, w_ba, d: GDNDims) -> dict[str, np.ndarray]:
   b, a = np.split(np.asarray(w_ba).reshape(hk, 2 * r, -1), 2, axis=1)
   return {"qkv": np.concatenate([flat(q), flat(k), flat(v)]), "z": flat(z), "b": flat(b),
           "a": flat(a)}
+
+
+def group_channels(a, d: GDNDims):
+  """a [..., C] over the convolved channels in HF's order (all q | all k | all v, head-major:
+  in_proj_qkv's rows, conv1d's channels) -> [..., Hk, G] group-major: per key head h, q_h | k_h
+  | v of value heads h r .. h r + r - 1. NumPy or jax arrays."""
+  kd, lead = d.key_heads * d.key_dim, a.shape[:-1]
+  group = lambda part: part.reshape(*lead, d.key_heads, -1)
+  cat = np.concatenate if isinstance(a, np.ndarray) else jnp.concatenate
+  return cat([group(a[..., :kd]), group(a[..., kd:2 * kd]), group(a[..., 2 * kd:])], axis=-1)

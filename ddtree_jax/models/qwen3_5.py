@@ -8,7 +8,9 @@ Checkpoints: `qwen3_5_text` / `qwen3_5_moe_text` (HF `Qwen3_5ForCausalLM` /
 tensors `model.language_model.*` beside a top-level `lm_head.weight`; the vision tower
 (`model.visual.*`) and the multi-token-prediction layers (`mtp.*`) are skipped. `qwen3_next`
 stores each Gated DeltaNet layer's projections fused per key-head group (`in_proj_qkvz`,
-`in_proj_ba`), unfused here into Qwen3.5's layout (`gated_deltanet.unfuse_qwen3_next`).
+`in_proj_ba`), unfused here into Qwen3.5's layout (`gated_deltanet.unfuse_qwen3_next`); both
+then have the convolved channels regrouped per key head (`gated_deltanet.group_channels`), the
+layout tensor parallelism splits.
 
 What differs from Qwen3 beyond the mixer: every decoder RMSNorm (input, post-attention, final,
 q / k) is zero-centred, weight 1 + w (loaded as 1 + w); attention's q_proj yields per head
@@ -27,12 +29,12 @@ from typing import Any
 
 import numpy as np
 
-from ddtree_jax.checkpoints.tensor_reader import Stacked, TensorReader
+from ddtree_jax.checkpoints.tensor_reader import Joined, Stacked, TensorReader
 from ddtree_jax.models import qwen3, qwen3_moe
 from ddtree_jax.models.config import ModelConfig, decoder_config, positive_int
 from ddtree_jax.models.decoder import LayerParams, Params
 from ddtree_jax.models.family import Family
-from ddtree_jax.models.gated_deltanet import GDNDims, GDNParams, unfuse_qwen3_next
+from ddtree_jax.models.gated_deltanet import GDNDims, GDNParams, group_channels, unfuse_qwen3_next
 
 WRAPPED = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 LANGUAGE_MODEL = "model.language_model."
@@ -124,20 +126,35 @@ def gated_attention(r: TensorReader, prefix: str, cfg: ModelConfig) -> dict:
               q_norm=_centred(r, a + "q_norm.weight", d), k_norm=_centred(r, a + "k_norm.weight", d))
 
 
+def _grouped_qkv(r: TensorReader, name: str, d: GDNDims, h: int):
+  """in_proj_qkv [C, H] as w_qkv [H, Hk, G] (`group_channels`), still lazy: a join of its q, k
+  and v views per key head, so a shard reads only its groups' rows."""
+  kd, w = d.key_heads * d.key_dim, r.linear(name, d.conv_dim, h)
+  if not r.has(name):
+    return w.reshape(h, d.key_heads, d.group_dim)  # recorded as missing
+  part = lambda lo, hi: w[:, lo:hi].reshape(h, d.key_heads, -1)
+  return Joined([part(0, kd), part(kd, 2 * kd), part(2 * kd, d.conv_dim)], axis=2)
+
+
 def gated_deltanet(r: TensorReader, prefix: str, cfg: ModelConfig) -> GDNParams:
-  """A Gated DeltaNet layer in Qwen3.5's layout (Qwen3-Next's fused projections unfused)."""
+  """A Gated DeltaNet layer in Qwen3.5's layout (Qwen3-Next's fused projections unfused), its
+  convolved channels regrouped per key head (`group_channels`: w_qkv [H, Hk, G], conv
+  [K, Hk, G])."""
   d, h = cfg.gdn, cfg.hidden_size
   hv, c, vd = d.value_heads, d.conv_dim, d.value_heads * d.value_dim
   if r.has(prefix + "in_proj_qkvz.weight") and r.has(prefix + "in_proj_ba.weight"):
     split = unfuse_qwen3_next(r.get(prefix + "in_proj_qkvz.weight", (c + vd, h)),
                               r.get(prefix + "in_proj_ba.weight", (2 * hv, h)), d)
     w = {k: v.T for k, v in split.items()}
+    w["qkv"] = group_channels(w["qkv"], d)
   else:
     w = {k: r.linear(prefix + f"in_proj_{k}.weight", out, h)
-         for k, out in (("qkv", c), ("z", vd), ("b", hv), ("a", hv))}
+         for k, out in (("z", vd), ("b", hv), ("a", hv))}
+    w["qkv"] = _grouped_qkv(r, prefix + "in_proj_qkv.weight", d, h)
   return GDNParams(
       w_qkv=w["qkv"], w_z=w["z"], w_b=w["b"], w_a=w["a"],
-      conv=_host(r, prefix + "conv1d.weight", (c, 1, d.conv_kernel), lambda t: t[:, 0].T),
+      conv=_host(r, prefix + "conv1d.weight", (c, 1, d.conv_kernel),
+                 lambda t: group_channels(t[:, 0].T, d)),
       dt_bias=r.get(prefix + "dt_bias", (hv,)), a_log=r.get(prefix + "A_log", (hv,)),
       norm=r.get(prefix + "norm.weight", (d.value_dim,)),
       w_out=r.linear(prefix + "out_proj.weight", h, vd))

@@ -72,8 +72,8 @@ def main(_):
       visible = jnp.broadcast_to(jnp.asarray(anc), (b, n, n))
       state = 0.1 * jax.random.normal(jax.random.key(2), (b, d.value_heads, d.key_dim,
                                                            d.value_dim), jnp.float32)
-      window = jax.random.normal(jax.random.key(3), (b, d.conv_kernel - 1, d.conv_dim),
-                                 jnp.bfloat16)
+      window = jax.random.normal(jax.random.key(3), (b, d.conv_kernel - 1, d.key_heads,
+                                                     d.group_dim), jnp.bfloat16)
       path = np.flatnonzero(anc[n - 1])                       # the last node's root path
       src = jnp.broadcast_to(jnp.asarray(path, jnp.int32), (b, len(path)))
       count = jnp.full((b,), len(path), jnp.int32)
