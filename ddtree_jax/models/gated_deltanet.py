@@ -364,11 +364,14 @@ def unfuse_qwen3_next(w_qkvz, w_ba, d: GDNDims) -> dict[str, np.ndarray]:
           "a": flat(a)}
 
 
-def group_channels(a, d: GDNDims):
+def group_channels(a, d: GDNDims, concat=None):
   """a [..., C] over the convolved channels in HF's order (all q | all k | all v, head-major:
   in_proj_qkv's rows, conv1d's channels) -> [..., Hk, G] group-major: per key head h, q_h | k_h
-  | v of value heads h r .. h r + r - 1. NumPy or jax arrays."""
+  | v of value heads h r .. h r + r - 1. NumPy or jax arrays; concat(parts, axis) joins the
+  three parts (default np / jnp.concatenate; a loader passes a lazy join)."""
   kd, lead = d.key_heads * d.key_dim, a.shape[:-1]
   group = lambda part: part.reshape(*lead, d.key_heads, -1)
-  cat = np.concatenate if isinstance(a, np.ndarray) else jnp.concatenate
-  return cat([group(a[..., :kd]), group(a[..., kd:2 * kd]), group(a[..., 2 * kd:])], axis=-1)
+  if concat is None:
+    concat = np.concatenate if isinstance(a, np.ndarray) else jnp.concatenate
+  return concat([group(a[..., :kd]), group(a[..., kd:2 * kd]), group(a[..., 2 * kd:])],
+                axis=len(lead) + 1)

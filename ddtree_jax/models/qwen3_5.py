@@ -129,11 +129,10 @@ def gated_attention(r: TensorReader, prefix: str, cfg: ModelConfig) -> dict:
 def _grouped_qkv(r: TensorReader, name: str, d: GDNDims, h: int):
   """in_proj_qkv [C, H] as w_qkv [H, Hk, G] (`group_channels`), still lazy: a join of its q, k
   and v views per key head, so a shard reads only its groups' rows."""
-  kd, w = d.key_heads * d.key_dim, r.linear(name, d.conv_dim, h)
+  w = r.linear(name, d.conv_dim, h)
   if not r.has(name):
     return w.reshape(h, d.key_heads, d.group_dim)  # recorded as missing
-  part = lambda lo, hi: w[:, lo:hi].reshape(h, d.key_heads, -1)
-  return Joined([part(0, kd), part(kd, 2 * kd), part(2 * kd, d.conv_dim)], axis=2)
+  return group_channels(w, d, concat=Joined)
 
 
 def gated_deltanet(r: TensorReader, prefix: str, cfg: ModelConfig) -> GDNParams:
