@@ -12,6 +12,8 @@ is a jit static argument: each configuration compiles its own program. It holds
   moe            a MoE layer's router + experts (`moe.grouped`; on Pallas its expert GEMMs
                  `pallas.grouped_gemm`, decode steps pair by pair)
   vocab_top_k    the tree's top-k and logsumexp over the vocabulary (`topk.vocab_top_k`)
+  delta_tree     a Gated DeltaNet layer's delta rule over a draft tree (`gated_deltanet.tree`;
+                 Pallas `delta_tree`)
 
 and, on a mesh, runs each per shard under `jax.shard_map` (a pallas_call cannot take sharded
 operands; the vocab-split lookup needs one psum). `KernelTuning` (pallas/tuning.py) holds every
@@ -31,9 +33,10 @@ from jax.sharding import PartitionSpec as P
 
 from ddtree_jax import sharding
 from ddtree_jax.models import attention as attention_lib
-from ddtree_jax.models import mla, moe as moe_lib, quant
+from ddtree_jax.models import gated_deltanet, mla, moe as moe_lib, quant
 from ddtree_jax.models.ops import dense, embed_lookup, residual_norm
-from ddtree_jax.pallas import add_rms_norm, latent_attention, moe_decode, moe_ops, qk_norm_rope
+from ddtree_jax.pallas import (add_rms_norm, delta_tree, latent_attention, moe_decode, moe_ops,
+                               qk_norm_rope)
 from ddtree_jax.pallas.tree_attention import tree_attention
 from ddtree_jax.pallas.tuning import KernelTuning
 from ddtree_jax.spec import topk
@@ -159,6 +162,24 @@ class Kernels:
       weights, chosen = moe_lib.route(params, x, routing)
       return experts(params, x, weights, chosen, routing)
     return mixture
+
+  @functools.cached_property
+  def delta_tree(self) -> Callable:
+    """q, k [N, Hv, dk], v [N, Hv, dv], g, beta [N, Hv], state [Hv, dk, dv], ancestors [N, N] ->
+    (o, delta, G): `gated_deltanet.tree`'s contract, vmapped over rows by the layer. The Pallas
+    kernel on one device where its widths allow (`delta_tree.supported`); on a mesh XLA's form,
+    which GSPMD splits over the key-head groups."""
+    if self.attention != "pallas" or self.mesh is not None:
+      return gated_deltanet.tree
+    block_v, warps = self.tuning.delta_tree_launch
+    interpret = self.tuning.interpret
+
+    def rule(q, k, v, g, beta, state, ancestors):
+      if not delta_tree.supported(k.shape[0], v.shape[-1], block_v):
+        return gated_deltanet.tree(q, k, v, g, beta, state, ancestors)
+      return delta_tree.delta_tree(q, k, v, g, beta, state, ancestors, block_v=block_v,
+                                   num_warps=warps, interpret=interpret)
+    return rule
 
   @functools.cached_property
   def vocab_top_k(self) -> Callable:

@@ -48,16 +48,20 @@ def test_bench_step_small_rows(tmp_path):
 
 
 def test_bench_gdn_and_a_hybrid_step_small_rows(tmp_path):
-  """The tree's recurrent part per budget (one Gated DeltaNet layer, its floor the weights and
-  the state in and out), and a hybrid shape's AR step against a floor that counts the states."""
+  """The tree's recurrent part per budget on each rule (one Gated DeltaNet layer, its floor the
+  weights and the state in and out), and a hybrid shape's AR step against a floor that counts
+  the states."""
   out = tmp_path / "gdn.jsonl"
   run_script("bench_gdn", "--small", "--budgets=0,8", "--batches=1", "--repeats=1",
              f"--json_out={out}")
   rows = read_rows(out)
-  assert [(r["budget"], r["nodes"]) for r in rows] == [(0, 1), (8, 9)]
+  assert [(r["budget"], r["nodes"], r["rule"]) for r in rows] == [
+      (0, 1, "xla"), (0, 1, "pallas"), (8, 9, "xla"), (8, 9, "pallas")]
   assert all(r["floor_ms"] > 0 and r["layers"] == 3 for r in rows)
   code, text = run_script("bench_gdn", "--small", "--shape=qwen3-8b", ok=False)
   assert code != 0 and "no Gated DeltaNet layers" in text
+  code, text = run_script("bench_gdn", "--small", "--rules=xla,mosaic", ok=False)
+  assert code != 0 and "unknown ['mosaic']" in text
   step = tmp_path / "step.jsonl"
   run_script("bench_step", "--small", "--shape=qwen3.5-9b", "--sections=ar", "--batches=1",
              "--prefixes=64", "--steps=4", "--repeats=1", "--attention=xla",

@@ -280,11 +280,13 @@ def mlp_block(layer, cfg, x, h, next_norm, kernels: kernels_lib.Kernels = kernel
                                layer.w_down, next_norm, eps=cfg.rms_norm_eps)
 
 
-def recurrent_block(layer, cfg, x, h, positions, new_mask, state, window, chain: bool):
+def recurrent_block(layer, cfg, x, h, positions, new_mask, state, window, chain: bool,
+                    rule=gdn_lib.tree):
   """Residual Gated DeltaNet sub-block over x with h = its input RMSNorm (`gated_deltanet.block`;
-  state [B, Hv, dk, dv], window [B, K-1, Hk, G] the committed ones) -> x', the MLP's input norm of
-  x' and the layer's pending rows."""
-  y, pending = gdn_lib.block(layer.gdn, cfg.gdn, h, positions, new_mask, state, window, chain)
+  state [B, Hv, dk, dv], window [B, K-1, Hk, G] the committed ones; rule: the tree's delta rule,
+  `Kernels.delta_tree`) -> x', the MLP's input norm of x' and the layer's pending rows."""
+  y, pending = gdn_lib.block(layer.gdn, cfg.gdn, h, positions, new_mask, state, window, chain,
+                             rule=rule)
   x = x + y.astype(x.dtype)
   return x, rms_norm(x, layer.post_norm, cfg.rms_norm_eps), pending
 
@@ -309,7 +311,7 @@ def decoder_stack(layers, cfg, x, final_norm, cos, sin, k_cache, v_cache, prefix
     if layer.gdn is not None:
       r = len(pending.recurrent)
       x, h, rows = recurrent_block(layer, cfg, x, h, positions, new_mask, state[r], window[r],
-                                   chain)
+                                   chain, kernels.delta_tree)
       pending.recurrent.append(rows)
     else:
       a = len(pending.k)

@@ -279,14 +279,14 @@ def prefill(p: GDNParams, d: GDNDims, x, state, window, valid=None, chunk: int =
   return _output(p, d, x, o), state, commit_window(window, inputs, chain, last)
 
 
-def tree_forward(p: GDNParams, d: GDNDims, x, parents, state, window, ancestors=None):
+def tree_forward(p: GDNParams, d: GDNDims, x, parents, state, window, ancestors=None, rule=tree):
   """Draft-tree nodes x [N, H] (parents [N], parents first; -1 hangs off the committed state;
   ancestors [N, N] = `ancestors_of(parents)` when known) -> (y [N, H], Pending): each node's
-  output is the layer's along its own root path."""
+  output is the layer's along its own root path. rule: `tree` or a kernel of its contract."""
   inputs = jnp.einsum("th,hgc->tgc", x, p.w_qkv)
   q, k, v, g, beta = _rule_inputs(p, d, x, tree_conv(inputs, parents, window, p.conv))
   anc = ancestors_of(parents) if ancestors is None else ancestors
-  o, delta, big_g = tree(q, k, v, g, beta, state, anc)
+  o, delta, big_g = rule(q, k, v, g, beta, state, anc)
   return _output(p, d, x, o), Pending(inputs, k, delta, big_g, parents)
 
 
@@ -305,17 +305,18 @@ def parents_of(positions, visible):
 
 
 def block(p: GDNParams, d: GDNDims, x, positions, visible, state, window, chain: bool,
-          chunk: int = 64):
+          chunk: int = 64, rule=tree):
   """The layer over a batch: x [B, T, H], positions [B, T], visible [B, T, T] (a causal mask with
   padding when `chain`, a draft tree's ancestor-or-self visibility otherwise), the committed
   state [B, Hv, dk, dv] and window [B, K-1, Hk, G] -> (y [B, T, H], Prefilled (chain: a prompt,
-  chunked) or Pending (a tree) per row)."""
+  chunked) or Pending (a tree) per row). rule: the tree's delta rule (`tree` or a kernel of its
+  contract, vmapped over the rows)."""
   if chain:
     valid = jnp.diagonal(visible, axis1=1, axis2=2)
     y, s, w = jax.vmap(lambda *a: prefill(p, d, *a, chunk=chunk))(x, state, window, valid)
     return y, Prefilled(s, w)
   parents = jax.vmap(parents_of)(positions, visible)
-  return jax.vmap(lambda x, par, s, w, vis: tree_forward(p, d, x, par, s, w, vis))(
+  return jax.vmap(lambda x, par, s, w, vis: tree_forward(p, d, x, par, s, w, vis, rule))(
       x, parents, state, window, visible)
 
 

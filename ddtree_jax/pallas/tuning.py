@@ -66,6 +66,8 @@ class KernelTuning:
   latent_split_rows: int = 128
   latent_max_splits: int = 64
   latent_launch: tuple[int, int, int, int] = (16, 64, 4, 2)
+  # a Gated DeltaNet layer's tree rule (`pallas.delta_tree`): (value columns per program, warps)
+  delta_tree_launch: tuple[int, int] = (64, 4)
   # Pallas interpret mode; None: on a CPU backend (False lowers to Triton there, for an
   # abstract GPU: experiments/perf/compile_offline.py)
   interpret: bool | None = None

@@ -5,6 +5,9 @@ hybrid shape's widths, against the bytes it must move (weights, state read and w
   python -m experiments.perf.bench_gdn --shape=qwen3.5-9b --budgets=0,16,32,64,128 --batches=1,8
   python -m experiments.perf.bench_gdn --small          # tiny widths, runs on CPU (smoke)
 
+--rules picks the tree's delta rule: xla (`gated_deltanet.tree`, XLA's kernels) and / or pallas
+(`pallas.delta_tree`, one launch), each row timed on both in one run.
+
 Prints one JSON row per (batch, budget) and a table; a tree here is a chain when B = 0 (AR) and
 otherwise a random tree of that many nodes (each node's parent drawn below it). A layer alone is
 too short to time by its call (the launch costs more than the layer), so one program applies it
@@ -19,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ddtree_jax.kernels import Kernels
 from ddtree_jax.models import gated_deltanet as gd
 from ddtree_jax.tools import profiling
 from experiments.perf import common_flags, harness
@@ -26,6 +30,7 @@ from experiments.perf import common_flags, harness
 common_flags.define("small", "repeats", "json_out", shape="qwen3.5-9b")
 flags.DEFINE_string("budgets", "0,16,32,64,128", "tree budgets (0: the root alone)")
 flags.DEFINE_string("batches", "1,8", "batch sizes")
+flags.DEFINE_string("rules", "xla,pallas", "the tree's delta rule: xla, pallas (comma list)")
 flags.DEFINE_integer("stack", 8, "layer applications per timed program (the slope's far end)")
 FLAGS = flags.FLAGS
 
@@ -52,17 +57,22 @@ def main(_):
   rng = np.random.default_rng(0)
   rows = []
 
-  def stacked(k):
+  def stacked(k, rule):
     """k applications of the layer, each verifying the tree and committing its path."""
     def run(x, positions, visible, state, window, src, count):
       def layer(_, carry):
         x, state, window = carry
-        y, pending = gd.block(p, d, x, positions, visible, state, window, chain=False)
+        y, pending = gd.block(p, d, x, positions, visible, state, window, chain=False, rule=rule)
         return (y, *gd.commit_block(state, window, pending, src, count))
       return jax.lax.fori_loop(0, k, layer, (x, state, window))
     return jax.jit(run)
 
-  one, many = stacked(1), stacked(FLAGS.stack)
+  rules = {"xla": gd.tree, "pallas": Kernels(attention="pallas").delta_tree}
+  unknown = set(FLAGS.rules.split(",")) - set(rules)
+  if unknown:
+    raise app.UsageError(f"--rules: unknown {sorted(unknown)}; valid: {sorted(rules)}")
+  programs = {name: (stacked(1, rules[name]), stacked(FLAGS.stack, rules[name]))
+              for name in FLAGS.rules.split(",")}
   for b in harness.ints(FLAGS.batches):
     for budget in harness.ints(FLAGS.budgets):
       n = budget + 1
@@ -78,21 +88,24 @@ def main(_):
       src = jnp.broadcast_to(jnp.asarray(path, jnp.int32), (b, len(path)))
       count = jnp.full((b,), len(path), jnp.int32)
       args = (x, positions, visible, state, window, src, count)
-      t1, tk = (profiling.median_seconds(f, *args, repeats=FLAGS.repeats) for f in (one, many))
-      ms = (tk - t1) / (FLAGS.stack - 1) * 1e3
-      floor = (weights + 2 * b * state_bytes) / bw * 1e3
-      row = {"shape": FLAGS.shape, "batch": b, "budget": budget, "nodes": n, "ms": ms,
-             "floor_ms": floor, "ratio_to_floor": ms / floor,
-             "layers": len(cfg.recurrent_layers), "all_layers_ms": ms * len(cfg.recurrent_layers)}
-      rows.append(row)
-      print(json.dumps(row), flush=True)
-      if FLAGS.json_out:
-        with open(FLAGS.json_out, "a") as f:
-          f.write(json.dumps(row) + "\n")
+      for name, (one, many) in programs.items():
+        t1, tk = (profiling.median_seconds(f, *args, repeats=FLAGS.repeats) for f in (one, many))
+        ms = (tk - t1) / (FLAGS.stack - 1) * 1e3
+        floor = (weights + 2 * b * state_bytes) / bw * 1e3
+        row = {"shape": FLAGS.shape, "rule": name, "batch": b, "budget": budget, "nodes": n,
+               "ms": ms, "floor_ms": floor, "ratio_to_floor": ms / floor,
+               "layers": len(cfg.recurrent_layers),
+               "all_layers_ms": ms * len(cfg.recurrent_layers)}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if FLAGS.json_out:
+          with open(FLAGS.json_out, "a") as f:
+            f.write(json.dumps(row) + "\n")
   print(f"\n== One Gated DeltaNet layer over a tree of B + 1 nodes ({FLAGS.shape}), then commit")
-  print(f"{'batch':>6}{'B':>6}{'ms':>10}{'floor ms':>10}{'ratio':>8}{'x layers ms':>13}")
+  print(f"{'rule':>7}{'batch':>6}{'B':>6}{'ms':>10}{'floor ms':>10}{'ratio':>8}"
+        f"{'x layers ms':>13}")
   for r in rows:
-    print(f"{r['batch']:>6}{r['budget']:>6}{r['ms']:>10.3f}{r['floor_ms']:>10.3f}"
+    print(f"{r['rule']:>7}{r['batch']:>6}{r['budget']:>6}{r['ms']:>10.3f}{r['floor_ms']:>10.3f}"
           f"{r['ratio_to_floor']:>8.2f}{r['all_layers_ms']:>13.3f}")
 
 
