@@ -206,3 +206,24 @@ def test_bench_load_writes_a_sharded_int4_checkpoint_and_loads_it(tmp_path):
   assert row["shards"] > 3 and os.path.exists(ckpt / "model.safetensors.index.json")
   assert row["devices"] == 8 and row["experts"] == 8 and row["device_bytes"] > 0
   assert row["disk_bytes"] > 0 and row["load_s"] > 0
+
+
+def test_auto_paper_picks_the_budget_the_costs_favour():
+  """The chooser under simulated acceptance: where B=16 costs little more than AR and B=64 much
+  more, auto runs B=16 nearly always, at about its speed; where every draft costs too much for
+  what it adds, auto backs off to AR. A malformed cost list is refused by name."""
+  def table(costs):
+    _, text = run_script("auto_paper", f"--costs={costs}", "--tau=16:5,64:6", "--batch=2",
+                         "--tokens=48", "--seeds=1", "--calibration=1")
+    row = next(line for line in text.splitlines() if line.strip().startswith("1.00"))
+    return [float(v) for v in row.split()[1:7]], row
+
+  (ar, b16, b64, auto, vs_best, _), row = table("0:1.0,16:1.2,64:4.0")
+  assert max(ar, b16, b64) == b16 and vs_best >= 0.9, row
+  assert "16 x" in row and "AR x" not in row, row
+  (ar, b16, b64, auto, vs_best, _), row = table("0:1.0,16:9.0,64:20.0")
+  assert max(ar, b16, b64) == ar and vs_best >= 0.6, row  # its few probes cost the rest
+  steps = dict(p.split(" x") for p in row.split("  ")[-1].split(", "))
+  assert int(steps["AR"]) > 2 * sum(int(n) for b, n in steps.items() if b != "AR"), row
+  code, text = run_script("auto_paper", "--costs=0:1,16", ok=False)
+  assert code != 0 and "--costs: budget:value pairs" in text

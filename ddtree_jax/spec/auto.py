@@ -98,6 +98,22 @@ def ar_wins(auto: AutoState, expected, live):
   return v[0] > jnp.max(v[1:])
 
 
+def decide(auto: AutoState, expected, live, tier: int, has_ar: int, drafted: int):
+  """A drafted step's decision from a tree of drafted budget `tier` (static; options up to it):
+  expected [B, has_ar + tier + 1] (`expected_accepted`), has_ar: whether option 0 is AR,
+  drafted: how many drafted budgets there are -> (i: the drafted budget to verify, an index
+  among the drafted ones; back_off: whether to skip drafting next; the next step's tier). AR is
+  never verified at a drafted step (the draft is paid for, and only a verified tree tells the
+  ratio how the draft fares); the back-off waits for the evidence of the largest tree the choice
+  could reach: the choice is below the tree's budget, or the tree is the largest."""
+  sub = dataclasses.replace(auto, cost=auto.cost[:has_ar + tier + 1])
+  i = choose(sub, expected, live, first=has_ar) - has_ar
+  back_off = jnp.zeros((), bool)
+  if has_ar:
+    back_off = ar_wins(sub, expected, live) & ((i < tier) | (tier == drafted - 1))
+  return i, back_off, jnp.minimum(i + 1, drafted - 1)
+
+
 def after_step(auto: AutoState, step, budget, predicted, accepted, live, back_off,
                tier=None) -> AutoState:
   """The state after a step that verified `budget` (0: the root alone, undrafted) with

@@ -233,17 +233,11 @@ def auto_step(tparams, tcfg, dparams, dcfg, lc: LoopConfig, state: DecodeState,
       with jax.named_scope("tree"):
         tree = make_tree(dataclasses.replace(lc, budget=drafted_budgets[t]), logits,
                          state.bonus, dcfg.vocab(dparams))
-      n = has_ar + t + 1
-      sub = dataclasses.replace(auto, cost=auto.cost[:n])
-      expected = auto_lib.expected_accepted(tree.scores, lc.budgets[:n])
-      j = auto_lib.choose(sub, expected, live, first=has_ar) - has_ar  # a drafted budget
-      # back off only where a bigger tree would not change the picture: the choice is below the
-      # tree's budget, or the tree is the largest
-      back_off = (auto_lib.ar_wins(sub, expected, live)
-                  & ((j < t) | (t == len(drafted_budgets) - 1))) if has_ar else False
+      expected = auto_lib.expected_accepted(tree.scores, lc.budgets[:has_ar + t + 1])
+      j, back_off, next_tier = auto_lib.decide(auto, expected, live, t, has_ar,
+                                               len(drafted_budgets))
       option = lambda i, b: lambda: verify_commit(
-          tree_lib.prefix(tree, b + 1), b, expected[:, has_ar + i], back_off,
-          min(i + 1, len(drafted_budgets) - 1))
+          tree_lib.prefix(tree, b + 1), b, expected[:, has_ar + i], back_off, next_tier)
       return jax.lax.switch(j, [option(i, b) for i, b in enumerate(drafted_budgets[:t + 1])])
     return run
 
