@@ -167,15 +167,16 @@ class Kernels:
   def delta_tree(self) -> Callable:
     """q, k [N, Hv, dk], v [N, Hv, dv], g, beta [N, Hv], state [Hv, dk, dv], ancestors [N, N] ->
     (o, delta, G): `gated_deltanet.tree`'s contract, vmapped over rows by the layer. The Pallas
-    kernel on one device where its widths allow (`delta_tree.supported`); on a mesh XLA's form,
-    which GSPMD splits over the key-head groups."""
+    kernel on one device where its widths allow (`delta_tree.supported`) and the tree has at
+    most tuning.delta_tree_max_nodes nodes; on a mesh XLA's form, which GSPMD splits over the
+    key-head groups."""
     if self.attention != "pallas" or self.mesh is not None:
       return gated_deltanet.tree
     block_v, warps = self.tuning.delta_tree_launch
-    interpret = self.tuning.interpret
+    interpret, most = self.tuning.interpret, self.tuning.delta_tree_max_nodes
 
     def rule(q, k, v, g, beta, state, ancestors):
-      if not delta_tree.supported(k.shape[0], v.shape[-1], block_v):
+      if k.shape[0] > most or not delta_tree.supported(k.shape[0], v.shape[-1], block_v):
         return gated_deltanet.tree(q, k, v, g, beta, state, ancestors)
       return delta_tree.delta_tree(q, k, v, g, beta, state, ancestors, block_v=block_v,
                                    num_warps=warps, interpret=interpret)

@@ -133,3 +133,6 @@ def test_kernel_switch():
     np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
   wide = _inputs(9, 2, 16, 96, seed=5)       # 96 neither fits in nor divides into 64 columns
   assert "delta_tree" not in str(jax.make_jaxpr(rule)(*wide, anc))
+  for n, kernel in ((64, True), (65, False)):  # up to delta_tree_max_nodes (64)
+    chain = jnp.asarray(_ancestors(np.arange(n) - 1))
+    assert ("delta_tree" in str(jax.make_jaxpr(rule)(*_inputs(n, 2, 16, 24, 5), chain))) == kernel

@@ -66,8 +66,11 @@ class KernelTuning:
   latent_split_rows: int = 128
   latent_max_splits: int = 64
   latent_launch: tuple[int, int, int, int] = (16, 64, 4, 2)
-  # a Gated DeltaNet layer's tree rule (`pallas.delta_tree`): (value columns per program, warps)
+  # a Gated DeltaNet layer's tree rule (`pallas.delta_tree`): (value columns per program, warps);
+  # trees of more nodes keep XLA's form (a program holds N x N float32 matrices in registers:
+  # measured up to 33 nodes, padded to 64)
   delta_tree_launch: tuple[int, int] = (64, 4)
+  delta_tree_max_nodes: int = 64
   # Pallas interpret mode; None: on a CPU backend (False lowers to Triton there, for an
   # abstract GPU: experiments/perf/compile_offline.py)
   interpret: bool | None = None
