@@ -111,6 +111,46 @@ KERNEL_OPS = ("fusion", "custom-call", "gather", "scatter", "reduce", "sort", "c
 STAGES = ("draft", "tree", "verify", "accept_commit")
 
 
+def _computations(hlo: str) -> dict[str, str]:
+  """An optimized HLO text's computations by name."""
+  out = {}
+  for comp in re.split(r"\n(?=\S.*\{\n)", hlo):
+    m = re.match(r"(?:ENTRY )?%?([\w.\-]+)", comp)
+    if m:
+      out[m.group(1)] = comp
+  return out
+
+
+def costliest_path(hlo: str) -> dict[str, int]:
+  """Kernels one iteration of the outermost while loop launches along its costliest path: each
+  `conditional` counted as itself plus its branch with the most kernels, recursively (a step of
+  budget="auto" runs one branch of each of its nested switches). Returns {"kernels": all,
+  "conditionals": how many on the path, "copies": copy kernels on the path}."""
+  comps = _computations(hlo)
+  ops = "|".join(re.escape(op) for op in KERNEL_OPS + ("conditional",))
+  bodies = re.findall(r" while\(.*?body=%?([\w.\-]+)", hlo)
+  if not bodies:
+    raise ValueError("costliest_path: no while loop in this HLO")
+
+  def walk(name):
+    total = {"kernels": 0, "conditionals": 0, "copies": 0}
+    for line in comps[name].splitlines()[1:]:
+      m = re.match(rf"\s*(?:ROOT )?\S+ = (?:\(.*?\)|\S+) ({ops})\(", line)
+      if not m:
+        continue
+      total["kernels"] += 1
+      total["copies"] += m.group(1) == "copy"
+      if m.group(1) == "conditional":
+        branches = re.search(r"branch_computations=\{([^}]*)\}", line)
+        names = ([b.strip().lstrip("%") for b in branches.group(1).split(",")] if branches else
+                 re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", line))
+        best = max((walk(b) for b in names), key=lambda t: t["kernels"])
+        total = {k: total[k] + best[k] for k in total}
+        total["conditionals"] += 1
+    return total
+  return walk(max(bodies, key=lambda b: len(comps[b])))
+
+
 def loop_body_kernels(hlo: str) -> list[tuple[str, str, str]]:
   """(stage, op name, "result type  op") of every top-level kernel-launching op of the decode
   loop's body, in order: the computation with the most ops in a named stage. The stage is the

@@ -11,10 +11,14 @@ toolchain:
   JAX_PLATFORMS=cpu python -m experiments.perf.compile_offline --runs=ar,32 --tp=2 --batch=8
   JAX_PLATFORMS=cpu python -m experiments.perf.compile_offline --runs=32 --attention=pallas \
       --triton --drafter_int8 --hlo_dir=/tmp/hlo --list_scope=verify
+  JAX_PLATFORMS=cpu python -m experiments.perf.compile_offline --runs=64,auto --small \
+      --attention=pallas --triton --hlo_dir=/tmp/hlo     # budget="auto" against its largest tree
 
 Prints lower / compile seconds per decode loop (bench_step.py's shapes and random-weight layout,
-harness.py) and, with --hlo_dir, the top-level kernels of the loop body per stage (the named
-scopes of `decode.step`): how to find glue kernels that XLA would not fuse. With --triton the
+harness.py) and, with --hlo_dir, the kernels a step launches along its costliest path (a
+budget="auto" step runs one branch of each of its switches) and the top-level kernels of the
+loop body per stage (the named scopes of `decode.step`): how to find glue kernels that XLA
+would not fuse. With --triton the
 Pallas kernels are lowered to Triton, as on the GPU, instead of interpret mode
 (`KernelTuning(interpret=False)`).
 """
@@ -37,6 +41,7 @@ from ddtree_jax.models import decoder
 from ddtree_jax.tools import profiling
 from ddtree_jax.models import drafter as drafter_lib
 from ddtree_jax.kernels import Kernels, KernelTuning
+from ddtree_jax.request import DEFAULT_BUDGETS
 from experiments.perf import common_flags, harness
 
 common_flags.define("small", "shape", "attention", "fuse_qkv", "batch", "prefix", "drafter_int8",
@@ -101,10 +106,17 @@ def main(_):
   print(f"tp={FLAGS.tp}")
   print(f"{'run':<12}{'attention':>10}{'batch':>6}{'lower s':>9}{'compile s':>11}", flush=True)
   for run in FLAGS.runs.split(","):
-    method, budget = (run, 0) if run in ("ar", "chain") else ("ddtree", int(run))
+    budgets = ()
+    if run.startswith("auto"):  # auto:0+8+16 (default AUTO_BUDGETS), the tree at the largest
+      budgets = (tuple(int(b) for b in run[5:].split("+")) if ":" in run
+                 else tuple(DEFAULT_BUDGETS))
+      method, budget = "ddtree", max(budgets)
+    else:
+      method, budget = (run, 0) if run in ("ar", "chain") else ("ddtree", int(run))
     d = (None, None) if method == "ar" else (dparams, dcfg)
     lc = decode.LoopConfig(method=method, max_new_tokens=17, num_drafts=0 if d[1] is None else 15,
-                           budget=budget, kernels=Kernels(attention, mesh, tuning=tuning))
+                           budget=budget, budgets=budgets,
+                           kernels=Kernels(attention, mesh, tuning=tuning))
     state = harness.Case.make(None, tcfg, None, d[1], lc, FLAGS.batch, FLAGS.prefix).state_shape()
     if mesh is None:
       state = put(state)  # on a mesh state_shape already carries the shardings
@@ -123,6 +135,9 @@ def main(_):
       with open(path, "w") as f:
         f.write(hlo)
       print(f"  {path}: " + ", ".join(f"{k} {n}" for k, n in collectives(hlo).items()))
+      path = profiling.costliest_path(hlo)
+      print(f"  a step's costliest path: {path['kernels']} kernels, of them "
+            f"{path['conditionals']} conditionals and {path['copies']} copies")
       kernels = profiling.loop_body_kernels(hlo)
       counts = collections.Counter(scope for scope, _, _ in kernels)
       print("  loop-body kernels per stage: " + ", ".join(f"{k} {n}" for k, n in counts.items()))

@@ -20,7 +20,7 @@ import numpy as np
 from jax import lax
 
 from ddtree_jax import sharding
-from ddtree_jax.spec import decode
+from ddtree_jax.spec import auto as auto_lib, decode
 from ddtree_jax.models import decoder
 from ddtree_jax.tools import profiling
 from ddtree_jax.models.config import ModelConfig
@@ -335,7 +335,10 @@ class Case:
         bonus=jnp.full((b,), 11, jnp.int32), out=jnp.zeros((b, m), jnp.int32),
         n_out=jnp.ones((b,), jnp.int32), done=jnp.zeros((b,), bool),
         accepted=jnp.zeros((m, b), jnp.int32), step=jnp.zeros((), jnp.int32),
-        key=jax.random.key(0))
+        key=jax.random.key(0),
+        auto=auto_lib.AutoState.init(jnp.ones(len(self.lc.budgets)), b, m,
+                                     sum(x > 0 for x in self.lc.budgets))
+        if self.lc.budgets else None)
     return sharding.shard_params(state, self.lc.mesh, self.lc.rules)
 
   def state_shape(self):
