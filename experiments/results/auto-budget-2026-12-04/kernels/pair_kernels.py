@@ -1,0 +1,35 @@
+"""One-off driver: the bundled pair's decode loop (batch 1, fixed B=64 and budget="auto" over 0, 8,
+16, 32, 64) compiled for an H200 on a machine without one, and the kernels a step launches along
+its costliest path (`profiling.costliest_path`). Needs the CUDA plugin (compile_offline.py's
+docstring):  JAX_PLATFORMS=cpu python experiments/results/auto-budget-2026-12-04/kernels/pair_kernels.py"""
+import jax
+import jax.numpy as jnp
+from jax.experimental.topologies import get_topology_desc
+
+import ddtree_jax as dj
+from ddtree_jax.kernels import Kernels, KernelTuning
+from ddtree_jax.spec import decode
+from ddtree_jax.tools import profiling
+
+target, drafter = dj.load_default()
+with open("experiments/perf/h200_target_config.txtpb") as f:
+  topo = get_topology_desc("h200", "cuda", target_config=f.read(), topology="1x1x1")
+dev = jax.sharding.SingleDeviceSharding(topo.devices[0])
+put = lambda t: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=dev), t)
+h200 = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,),
+                                 abstract_device=jax.sharding.AbstractDevice(
+                                     device_kind="NVIDIA H200", num_cores=132, platform="cuda"))
+for run in ("64", "auto"):
+  auto = run == "auto"
+  lc = decode.LoopConfig(method="ddtree", max_new_tokens=128, num_drafts=drafter.config.num_drafts,
+                         budget=64, budgets=(0, 8, 16, 32, 64) if auto else (),
+                         kernels=Kernels("pallas", tuning=KernelTuning(interpret=False)))
+  shapes = (jax.ShapeDtypeStruct((1, 16), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32))
+  state = jax.eval_shape(lambda tp, dp, t, n: decode.prefill_with(
+      lambda x, k: jnp.argmax(x, -1).astype(jnp.int32), tp, dp, t, n, jax.random.key(0),
+      jnp.ones(5) if auto else None, tcfg=target.config, dcfg=drafter.config, lc=lc,
+      capacity=224), target.params, drafter.params, *shapes)
+  with jax.sharding.use_abstract_mesh(h200):
+    lowered = decode.decode_loop.lower(put(target.params), put(drafter.params), put(state),
+                                       tcfg=target.config, dcfg=drafter.config, lc=lc)
+  print(run, profiling.costliest_path(lowered.compile().as_text()), flush=True)
