@@ -60,6 +60,7 @@ def get_config():
                                                      # auto: each step chooses one of:
   c.auto_budgets = "0,8,16,32,64"                    # budget=auto's options (0 = AR)
   c.budget_costs = ""                                # their seconds per step ("" = measured)
+  c.auto_every = 1                                   # budget=auto chooses every this many steps
   c.prompts = ("def is_palindrome(s):", "def fib(n):", "import os\n")
   c.max_new_tokens = 96
   c.temperature = GenerateOptions.temperature

@@ -196,7 +196,7 @@ def generate(target: Target, prompts: Sequence[Sequence[int]], *, method: str = 
              max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
              stop_token_ids=None, drafter: Drafter | None = None,
              budget: int | str | None = None, budgets: Sequence[int] = DEFAULT_BUDGETS,
-             budget_costs: Sequence[float] | None = None,
+             budget_costs: Sequence[float] | None = None, auto_every: int = 1,
              topk_cap: int | None = None, cache_capacity: int | None = None,
              attention: str | None = None, top_k: int | None = None,
              top_p: float | None = None, steps_per_check: int = 1,
@@ -215,13 +215,15 @@ def generate(target: Target, prompts: Sequence[Sequence[int]], *, method: str = 
   output and stats are the same. kernel_tuning: the Pallas kernels' tuning (`kernels.KernelTuning`;
   None: the defaults). budget="auto" chooses each step's budget among `budgets` (0: AR) from the
   draft's expected acceptance and each budget's step time (`budget_costs`, seconds per step;
-  None: measured here first, `budget_costs()`); stats then hold each step's choice ("chosen")
-  and each row's expected accepted drafts per step ("predicted").
+  None: measured here first, `budget_costs()`), every `auto_every` steps (the steps between run
+  the chosen budget's own step: `decode.auto_steps`); stats then hold each step's budget
+  ("chosen") and each row's expected accepted drafts per choosing step ("predicted", 0 at the
+  others).
   """
   options = GenerateOptions(
       method=method, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
       stop_token_ids=stop_token_ids, budget=budget, budgets=budgets, budget_costs=budget_costs,
-      topk_cap=topk_cap,
+      auto_every=auto_every, topk_cap=topk_cap,
       cache_capacity=cache_capacity, attention=attention, top_k=top_k, top_p=top_p,
       steps_per_check=steps_per_check, kernel_tuning=kernel_tuning)
   args, capacity, statics = _prepare(target, prompts, options, drafter)

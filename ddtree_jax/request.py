@@ -162,8 +162,8 @@ class GenerateOptions:
   method: "ar", "chain" (DFlash) or "ddtree"; budget: DDTree's tree nodes (ddtree only, needed),
   or "auto": each step chooses one of `budgets` (0: AR) by expected tokens per second
   (`spec/auto.py`), with `budget_costs` the seconds per step of each (None: measured on this
-  machine, `engine.budget_costs`); topk_cap: DDTree's tokens per depth (ddtree only; None: the
-  budget). temperature > 0 samples
+  machine, `engine.budget_costs`), every `auto_every` steps (`decode.auto_steps`); topk_cap:
+  DDTree's tokens per depth (ddtree only; None: the budget). temperature > 0 samples
   from the target's distribution, filtered by top_k / top_p (None: off), with draws keyed by seed
   (a 64-bit integer); 0 is greedy. stop_token_ids: None = the target's eos ids. cache_capacity:
   cache rows per sequence (None: the longest prompt plus max_new_tokens, rounded up to 128).
@@ -181,6 +181,7 @@ class GenerateOptions:
   budget: int | str | None = None
   budgets: Sequence[int] = DEFAULT_BUDGETS
   budget_costs: Sequence[float] | None = None
+  auto_every: int = 1
   topk_cap: int | None = None
   cache_capacity: int | None = None
   attention: str | None = None
@@ -235,10 +236,13 @@ class GenerateOptions:
       if topk_cap is not None:
         raise RequestError(f"topk_cap is only used by method='ddtree', not {method!r}",
                            "topk_cap")
+    auto_every = integer("auto_every", self.auto_every, 1, max_new_tokens)
     if budget != "auto":
       for name, default in (("budgets", DEFAULT_BUDGETS), ("budget_costs", None)):
         if getattr(self, name) != default and tuple(getattr(self, name) or ()) != default:
           raise RequestError(f"{name} is only used by budget='auto'", name)
+      if auto_every != 1:
+        raise RequestError("auto_every is only used by budget='auto'", "auto_every")
     cache_capacity = (None if self.cache_capacity is None else
                       integer("cache_capacity", self.cache_capacity, 1))
     if self.kernel_tuning is not None and not isinstance(self.kernel_tuning, KernelTuning):
@@ -247,7 +251,8 @@ class GenerateOptions:
     return dataclasses.replace(
         self, max_new_tokens=max_new_tokens, steps_per_check=steps_per_check,
         temperature=temperature, seed=seed, top_k=top_k, top_p=top_p, budget=budget,
-        budgets=budgets, budget_costs=costs, topk_cap=topk_cap, cache_capacity=cache_capacity)
+        budgets=budgets, budget_costs=costs, auto_every=auto_every, topk_cap=topk_cap,
+        cache_capacity=cache_capacity)
 
   def check(self, target, drafter, prompts: Sequence[Sequence[int]],
             slots: SlotConfig | None = None
@@ -321,7 +326,7 @@ class GenerateOptions:
         method=self.method, max_new_tokens=self.max_new_tokens,
         num_drafts=0 if dcfg is None else dcfg.num_drafts,
         budget=max(self.budgets) if auto else self.budget or 0,
-        budgets=tuple(self.budgets) if auto else (),
+        budgets=tuple(self.budgets) if auto else (), auto_every=self.auto_every if auto else 1,
         topk_cap=self.topk_cap, temperature=self.temperature,
         top_k=self.top_k if sample else None, top_p=self.top_p if sample else None,
         stop_ids=tuple(self.stop_token_ids), steps_per_check=self.steps_per_check,

@@ -398,7 +398,8 @@ def generate_options(cfg, method: str, budget: int | None) -> GenerateOptions:
   auto = {} if budget != "auto" else dict(
       budgets=_ints(cfg.auto_budgets, "auto budget", 0, MAX_BUDGET, "integers in "
                     f"[0, {MAX_BUDGET}] (comma list, 0 = AR)"),
-      budget_costs=tuple(float(c) for c in str(cfg.budget_costs).split(",") if c.strip()) or None)
+      budget_costs=tuple(float(c) for c in str(cfg.budget_costs).split(",") if c.strip()) or None,
+      auto_every=cfg.auto_every)
   return GenerateOptions(
       method=method, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
       seed=cfg.seed, budget=budget, **auto,

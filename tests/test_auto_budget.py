@@ -157,6 +157,50 @@ def test_a_drafter_that_is_never_right_settles_on_ar(dense):
   assert all(b - a > 2 * (a - p) - 2 for p, a, b in zip(drafted[2:], drafted[3:], drafted[4:]))
 
 
+@pytest.mark.parametrize("batch", [1, 3])
+def test_choosing_every_k_steps_runs_blocks_of_one_budget_and_stays_lossless(dense, batch):
+  """auto_every=4: the choosing step, then three steps of the budget it ran (recorded as chosen,
+  so every aligned block of 4 holds one budget), AR's tokens with multi-token steps; the
+  choices still move with the costs, and the ratio learns from the choosing steps alone."""
+  target, drafter, ar = dense
+  oracle = oracle_drafter(drafter, PROMPTS[:batch], [a[:M] for a in ar[:batch]])
+  res = dj.generate(target, PROMPTS[:batch], method="ddtree", drafter=oracle, budget="auto",
+                    budgets=BUDGETS, budget_costs=MIXED, auto_every=4, max_new_tokens=M,
+                    stop_token_ids=())
+  assert res.tokens == [a[:M] for a in ar[:batch]]
+  chosen = res.stats["chosen"]
+  assert len(chosen) == res.stats["steps"] and max(chosen) > 0
+  blocks = [chosen[i:i + 4] for i in range(0, len(chosen), 4)]
+  assert all(len(set(b)) == 1 for b in blocks), chosen
+  assert len({b[0] for b in blocks}) > 1 or batch > 1, chosen
+  multi, _ = oracle_counts(oracle, PROMPTS[:batch], res)
+  assert multi > 0
+  predicted = [p for row in res.stats["predicted"] for p in row]
+  assert 0 < sum(p > 0 for p in predicted) < len(predicted)   # choosing steps only
+
+
+def test_choosing_every_k_steps_backs_off_for_as_many_steps(dense):
+  """A drafter that is never right, choosing every 4 steps: the ratio learns from choosing steps
+  only, so the first back-off comes up to 4 times later than when choosing each step; after it a
+  choosing step that backs off fills its block with AR steps, and AR steps count down the skip,
+  so the probes are lone choosing steps, no more of them than when choosing each step."""
+  target, drafter, ar = dense
+  wrong = oracle_drafter(drafter, PROMPTS, ar)
+  wrong = dataclasses.replace(wrong, config=WrongConfig(**{
+      f.name: getattr(wrong.config, f.name) for f in dataclasses.fields(OracleConfig)}))
+  kw = dict(method="ddtree", drafter=wrong, budget="auto", budgets=BUDGETS,
+            budget_costs=(1.0, 1.5, 2.0, 4.0), max_new_tokens=64, stop_token_ids=())
+  each = dj.generate(target, PROMPTS, **kw).stats["chosen"]
+  every = dj.generate(target, PROMPTS, auto_every=4, **kw)
+  assert every.tokens == ar
+  chosen = every.stats["chosen"]
+  first, first_each = chosen.index(0), each.index(0)
+  probes = [i for i, c in enumerate(chosen) if c > 0 and i > first]
+  assert first <= 4 * first_each and all(i % 4 == 0 for i in probes), (chosen, each)
+  assert len(probes) <= sum(c > 0 for c in each[first_each:]) + 1, (chosen, each)
+  assert chosen[-8:] == [0] * 8
+
+
 @pytest.fixture
 def cache_dir(tmp_path):
   """JAX's compilation cache in tmp_path for one test (off again after)."""
@@ -204,6 +248,8 @@ def test_sampling_with_auto_follows_the_targets_distribution():
     (dict(budget="auto", budgets=(0, 8), budget_costs=(1.0,)), "budget_costs"),
     (dict(budget="auto", budgets=(0, 8), budget_costs=(1.0, 0.0)), "budget_costs"),
     (dict(budget=8, budgets=(0, 8)), "budgets"),
+    (dict(budget="auto", auto_every=0), "auto_every"),
+    (dict(budget=8, auto_every=4), "auto_every"),
     (dict(budget="sometimes"), "budget"),
 ])
 def test_bad_auto_settings_name_the_field(dense, kw, field):

@@ -6,8 +6,10 @@ Every method is the same step with a different tree: AR verifies the root alone,
 
   draft -> build tree -> verify (one target forward) -> accept -> commit (target + drafter caches)
 
-budget="auto" (`auto_step`, spec/auto.py) builds the tree at the largest of its budgets and
-verifies the prefix of the budget it chooses, or drafts nothing and verifies the root alone.
+budget="auto" (`auto_step`, spec/auto.py) builds the tree one budget above its last choice and
+verifies the prefix of the budget it chooses, or drafts nothing and verifies the root alone;
+with auto_every = K > 1 the K - 1 steps after each choosing step run the chosen budget's own
+step (`auto_steps`).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class LoopConfig:
                                   # (each check is a host round trip; see decode_loop)
   budgets: tuple[int, ...] = ()   # budget="auto": the options (0 = AR), ascending; budget is
                                   # their largest (the tree built each drafted step)
+  auto_every: int = 1             # budget="auto" chooses every this many steps (`auto_steps`)
 
   @property
   def mesh(self):
@@ -189,7 +192,7 @@ def step(tparams, tcfg, dparams, dcfg, lc: LoopConfig, state: DecodeState,
   """One speculative step for every sequence of the batch; `pick` as `verify_and_pick`'s (the
   slot engine's picks each row with its own settings and key)."""
   if lc.budgets:
-    return auto_step(tparams, tcfg, dparams, dcfg, lc, state, pick)
+    return auto_steps(tparams, tcfg, dparams, dcfg, lc, state, pick)
   key, pick_key = _split_key(state.key)
   logits = None
   if lc.method != "ar":
@@ -247,6 +250,31 @@ def auto_step(tparams, tcfg, dparams, dcfg, lc: LoopConfig, state: DecodeState,
     return jax.lax.switch(auto.tier, [tier(t, logits) for t in range(len(drafted_budgets))])
 
   return jax.lax.cond(auto.skip > 0, root_only, drafted, None) if has_ar else drafted(None)
+
+
+def auto_steps(tparams, tcfg, dparams, dcfg, lc: LoopConfig, state: DecodeState,
+               pick=None) -> DecodeState:
+  """budget="auto" over lc.auto_every = K steps: one `auto_step` (which chooses), then K - 1 steps
+  of the budget it ran, or of AR when it decided to back off, each that option's own step (no
+  tree above it, no switch, no bookkeeping: on a launch-bound device the chooser's kernels are
+  paid once per K steps). Those steps are recorded as chosen and count down a back-off; the
+  ratio learns from the choosing steps only."""
+  first = state.step
+  state = auto_step(tparams, tcfg, dparams, dcfg, lc, state, pick)
+  if lc.auto_every == 1:
+    return state
+  ran = jnp.where(state.auto.skip > 0, 0, state.auto.chosen[first])  # skip > 0: AR is an option
+  fixed = lambda b: dataclasses.replace(lc, budgets=(), budget=b, method="ddtree" if b else "ar")
+  run = lambda b: lambda s: jax.lax.fori_loop(
+      0, lc.auto_every - 1, lambda _, s: step(tparams, tcfg, dparams, dcfg, fixed(b), s, pick), s)
+  index = jnp.argmax(jnp.asarray(lc.budgets) == ran)
+  after = jax.lax.switch(index, [run(b) for b in lc.budgets], state)
+  auto, done = after.auto, after.step - state.step          # steps that emitted
+  rows = state.step + jnp.arange(lc.auto_every - 1)
+  rows = jnp.where(jnp.arange(lc.auto_every - 1) < done, rows, auto.chosen.shape[0])
+  auto = dataclasses.replace(auto, chosen=auto.chosen.at[rows].set(ran, mode="drop"),
+                             skip=jnp.maximum(auto.skip - done, 0))
+  return dataclasses.replace(after, auto=auto)
 
 
 @functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "lc", "capacity"))

@@ -122,21 +122,28 @@ def _computations(hlo: str) -> dict[str, str]:
 
 
 def costliest_path(hlo: str) -> dict[str, int]:
-  """Kernels one iteration of the outermost while loop launches along its costliest path: each
-  `conditional` counted as itself plus its branch with the most kernels, recursively (a step of
-  budget="auto" runs one branch of each of its nested switches). Returns {"kernels": all,
-  "conditionals": how many on the path, "copies": copy kernels on the path}."""
+  """Kernels one iteration of the entry computation's while loop (the decode loop) launches
+  along its costliest path: each `conditional` counted as itself plus its branch with the most
+  kernels, recursively (a step of budget="auto" runs one branch of each of its switches), and a
+  nested while loop as its body times its known trip count (once when unknown). Returns
+  {"kernels": all, "conditionals": how many on the path, "copies": copy kernels on the path}."""
   comps = _computations(hlo)
-  ops = "|".join(re.escape(op) for op in KERNEL_OPS + ("conditional",))
-  bodies = re.findall(r" while\(.*?body=%?([\w.\-]+)", hlo)
-  if not bodies:
-    raise ValueError("costliest_path: no while loop in this HLO")
+  ops = "|".join(re.escape(op) for op in KERNEL_OPS + ("conditional", "while"))
+  entry = next((c for c in re.split(r"\n(?=\S.*\{\n)", hlo) if c.startswith("ENTRY")), "")
+  loop = re.search(r" while\(.*?body=%?([\w.\-]+)", entry)
+  if not loop:
+    raise ValueError("costliest_path: no while loop in this HLO's entry computation")
 
   def walk(name):
     total = {"kernels": 0, "conditionals": 0, "copies": 0}
     for line in comps[name].splitlines()[1:]:
       m = re.match(rf"\s*(?:ROOT )?\S+ = (?:\(.*?\)|\S+) ({ops})\(", line)
       if not m:
+        continue
+      if m.group(1) == "while":
+        trip = re.search(r'known_trip_count":\{"n":"(\d+)"', line)
+        inner = walk(re.search(r"body=%?([\w.\-]+)", line).group(1))
+        total = {k: total[k] + inner[k] * (int(trip.group(1)) if trip else 1) for k in total}
         continue
       total["kernels"] += 1
       total["copies"] += m.group(1) == "copy"
@@ -148,7 +155,7 @@ def costliest_path(hlo: str) -> dict[str, int]:
         total = {k: total[k] + best[k] for k in total}
         total["conditionals"] += 1
     return total
-  return walk(max(bodies, key=lambda b: len(comps[b])))
+  return walk(loop.group(1))
 
 
 def loop_body_kernels(hlo: str) -> list[tuple[str, str, str]]:

@@ -51,6 +51,7 @@ flags.DEFINE_string("hlo_dir", "", "write each optimized HLO here, count its col
                     "loop body's kernels per stage")
 flags.DEFINE_bool("triton", False, "lower the Pallas kernels to Triton for an abstract H200 (as on "
                   "the GPU) instead of interpret mode; tp=1 only")
+flags.DEFINE_integer("auto_every", 1, "auto runs: choose every this many steps")
 flags.DEFINE_string("list_scope", "", "with --hlo_dir: also list the kernels of this stage in order")
 flags.DEFINE_string("target_config", os.path.join(os.path.dirname(__file__),
                                                   "h200_target_config.txtpb"),
@@ -116,6 +117,7 @@ def main(_):
     d = (None, None) if method == "ar" else (dparams, dcfg)
     lc = decode.LoopConfig(method=method, max_new_tokens=17, num_drafts=0 if d[1] is None else 15,
                            budget=budget, budgets=budgets,
+                           auto_every=FLAGS.auto_every if budgets else 1,
                            kernels=Kernels(attention, mesh, tuning=tuning))
     state = harness.Case.make(None, tcfg, None, d[1], lc, FLAGS.batch, FLAGS.prefix).state_shape()
     if mesh is None:
@@ -136,8 +138,10 @@ def main(_):
         f.write(hlo)
       print(f"  {path}: " + ", ".join(f"{k} {n}" for k, n in collectives(hlo).items()))
       path = profiling.costliest_path(hlo)
-      print(f"  a step's costliest path: {path['kernels']} kernels, of them "
-            f"{path['conditionals']} conditionals and {path['copies']} copies")
+      steps = lc.auto_every * lc.steps_per_check
+      print(f"  a loop iteration's costliest path ({steps} steps): {path['kernels']} kernels "
+            f"({path['kernels'] / steps:.1f} a step), of them {path['conditionals']} "
+            f"conditionals and {path['copies']} copies")
       kernels = profiling.loop_body_kernels(hlo)
       counts = collections.Counter(scope for scope, _, _ in kernels)
       print("  loop-body kernels per stage: " + ", ".join(f"{k} {n}" for k, n in counts.items()))
