@@ -175,6 +175,9 @@ def test_choosing_every_k_steps_runs_blocks_of_one_budget_and_stays_lossless(den
   assert len({b[0] for b in blocks}) > 1 or batch > 1, chosen
   multi, _ = oracle_counts(oracle, PROMPTS[:batch], res)
   assert multi > 0
+  first_row = res.stats["acceptance_lengths"][0]   # live from the first step: aligned with chosen
+  inner = [a for i, a in enumerate(first_row) if i % 4 and chosen[i] > 0]
+  assert inner and max(inner) > 1, (chosen, first_row)  # the steps between ran drafted trees
   predicted = [p for row in res.stats["predicted"] for p in row]
   assert 0 < sum(p > 0 for p in predicted) < len(predicted)   # choosing steps only
 

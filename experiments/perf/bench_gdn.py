@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax.kernels import Kernels
+from ddtree_jax.kernels import Kernels, KernelTuning
 from ddtree_jax.models import gated_deltanet as gd
 from ddtree_jax.tools import profiling
 from experiments.perf import common_flags, harness
@@ -67,7 +67,9 @@ def main(_):
       return jax.lax.fori_loop(0, k, layer, (x, state, window))
     return jax.jit(run)
 
-  rules = {"xla": gd.tree, "pallas": Kernels(attention="pallas").delta_tree}
+  # the kernel at every budget (the engine keeps XLA's form past delta_tree_max_nodes)
+  every_tree = KernelTuning(delta_tree_max_nodes=1 << 30)
+  rules = {"xla": gd.tree, "pallas": Kernels(attention="pallas", tuning=every_tree).delta_tree}
   unknown = set(FLAGS.rules.split(",")) - set(rules)
   if unknown:
     raise app.UsageError(f"--rules: unknown {sorted(unknown)}; valid: {sorted(rules)}")
