@@ -146,14 +146,26 @@ def in_process(cfg, target, drafter, runs, capacity: int | None = None, threads:
   return rows
 
 
+def parse_runs(spec: str) -> list[tuple[str, int | str]]:
+  """--in_process's comma list (ar, chain, a DDTree budget or auto) as (method, budget)."""
+  runs = []
+  for x in filter(None, spec.split(",")):
+    if x in ("ar", "chain"):
+      runs.append((x, 0))
+    elif x == "auto" or x.isdigit():
+      runs.append(("ddtree", x if x == "auto" else int(x)))
+    else:
+      raise ValueError(f"--in_process: {x!r} is not ar, chain, a DDTree budget or auto")
+  return runs
+
+
 def main(_):
   from absl import flags  # pylint: disable=import-outside-toplevel
   f = flags.FLAGS
   cfg = f.config
   if f.in_process:
     from experiments import workflow  # pylint: disable=import-outside-toplevel
-    runs = [(x, 0) if x in ("ar", "chain") else ("ddtree", int(x))
-            for x in f.in_process.split(",") if x]
+    runs = parse_runs(f.in_process)
     target, drafter = workflow.load_models(cfg)
     if f.tokenizer:  # a random target's prompts encoded as the server encodes them
       from ddtree_jax.checkpoints import hf as checkpoint  # pylint: disable=import-outside-toplevel
@@ -175,7 +187,7 @@ if __name__ == "__main__":
                            "serve.tokenizer does)")
   absl_flags.DEFINE_string("json_out", "", "append each row here as a JSON line")
   absl_flags.DEFINE_string("in_process", "", "instead of HTTP: in-process generate at "
-                           "concurrency 1 for these runs (ar, chain or a DDTree budget)")
+                           "concurrency 1 for these runs (ar, chain, a DDTree budget or auto)")
   absl_flags.DEFINE_integer("capacity", 0, "in-process cache rows per sequence (the server's "
                             "serve.capacity; 0 = generate's default)")
   _workflow.run_app(main)

@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from experiments.perf import serve_summary
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -52,3 +54,11 @@ def test_the_plot_keeps_one_models_servers(tmp_path):
     assert rc == 0 and png.stat().st_size > 1000, out[-2000:]
   rc, out, _ = plot([r for r in ROWS if ":" in r["label"]], "none")
   assert rc != 0 and "no HTTP rows of model 'none'" in out
+
+
+def test_the_in_process_runs_name_auto_and_refuse_anything_else():
+  from experiments import http_bench  # pylint: disable=import-outside-toplevel
+  assert http_bench.parse_runs("ar,chain,16,auto,") == [
+      ("ar", 0), ("chain", 0), ("ddtree", 16), ("ddtree", "auto")]
+  with pytest.raises(ValueError, match="'b16' is not ar, chain"):
+    http_bench.parse_runs("ar,b16")

@@ -26,6 +26,8 @@
 # s; a step with < 5 s left is skipped); rows are written as they come, so a cut run keeps them.
 # Labels: HTTP "MODEL:RUN/SLOTS" (8b:16/1, pair:ar/32), in-process "MODEL:RUN".
 # Env: PYTHON (python3), SITE (/tmp/site), SLOTS (32: the bundled servers' slots), BUDGET_S,
+# BIG_RUNS (the 8B servers as RUN/SLOTS; "" runs none), PAIR_RUNS (the bundled servers: ar,
+# chain, a budget, auto, or auto-device: auto on the device's step times alone, no host cost),
 # BENCH_SLOTS=1 (first bench_slots: the slot step vs the static loop at 1-32 slots, up to T_SLOTS
 # = 240 s more), SMALL=1 (a CPU dry run: a tiny random target for the 8B one, two bundled servers
 # of 2 slots, short levels).
@@ -62,14 +64,16 @@ if [ "${SMALL:-0}" = 1 ]; then
         --config.shape.intermediate_size=128 --config.shape.num_layers=2
         --config.shape.num_heads=2 --config.shape.num_kv_heads=1 --config.shape.head_dim=32
         --config.drafter_shape.num_layers=1)
-  vocab=1024; big_runs="ar/1 16/1 ar/2"; big_levels=2; pair_runs="ar 16"; slots=2
+  vocab=1024; big_runs=${BIG_RUNS-"ar/1 16/1 ar/2"}; big_levels=2; pair_runs=${PAIR_RUNS:-"ar 16"}
+  slots=2
   pair_levels=1,2; per_level=2; tokens=8; repeats=1; t_ready=900; t_http=120; t_inproc=400
   slots_args="--small --runs=ar --slots=1 --steps=4 --repeats=1 --compile_threads=2"
   t_slots=300
 else
   budget=${BUDGET_S:-470}
   tiny=(--config.dtype=bfloat16)
-  vocab=32768; big_runs="ar/1 16/1 64/1 ar/4 16/4"; big_levels=4; pair_runs="ar chain 16 64"
+  vocab=32768; big_runs=${BIG_RUNS-"ar/1 16/1 64/1 ar/4 16/4"}; big_levels=4
+  pair_runs=${PAIR_RUNS:-"ar chain 16 64"}
   slots=${SLOTS:-32}; pair_levels=1,4,16,32; per_level=32; tokens=64; repeats=3
   t_ready=240; t_http=40; t_inproc=150; slots_args=""; t_slots=${T_SLOTS:-240}
 fi
@@ -95,6 +99,8 @@ fi
 run_args() {  # RUN -> serve config overrides (ar, chain or a DDTree budget)
   case $1 in
     ar|chain) echo "--config.serve.method=$1" ;;
+    auto-device) echo "--config.serve.method=ddtree --config.serve.budget=auto" \
+                      "--config.serve.host_cost=False" ;;
     *) echo "--config.serve.method=ddtree --config.serve.budget=$1" ;;
   esac
 }
@@ -174,7 +180,7 @@ for label in "${big_labels[@]}"; do
 done
 stop "${big_labels[@]}"
 inproc=$(for r in $big_runs; do echo "${r%/*}"; done | sort -u | paste -sd,)
-step "in-process 8b" "$t_inproc" env XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 $py \
+[ -n "$inproc" ] && step "in-process 8b" "$t_inproc" env XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 $py \
   -m experiments.http_bench --config=configs/default.py "${big[@]}" --in_process="$inproc" \
   --tokenizer=$tok_dir \
   --label=8b --capacity=512 --config.max_new_tokens=$tokens --config.repeats=$repeats \
@@ -186,7 +192,7 @@ for label in "${pair_labels[@]}"; do
 done
 stop "${pair_labels[@]}"
 step "in-process pair" "$t_inproc" $py -m experiments.http_bench --config=configs/default.py \
-  --in_process="${pair_runs// /,}" --label=pair --capacity=512 --config.max_new_tokens=$tokens \
+  --in_process="$(tr ' ' '\n' <<<"$pair_runs" | grep -v -- -device | paste -sd,)" --label=pair --capacity=512 --config.max_new_tokens=$tokens \
   --config.repeats=$repeats --json_out="$out/serve.jsonl" >>"$out/http.log" 2>&1
 
 {
