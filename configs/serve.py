@@ -40,7 +40,6 @@ def get_config():
                                     # step chooses one of (0 = AR, for the slots decoding then):
   s.auto_budgets = ",".join(map(str, d.budgets))
   s.budget_costs = ""               # their seconds per step ("" = measured at start)
-  s.host_cost = d.host_cost         # ... plus the host's seconds per step between chunks
   s.slots = d.slots                 # decode slots (the batch of every decode step)
   s.capacity = 512                  # cache rows per slot: prompt + generated tokens
   s.chunk_steps = d.chunk_steps     # decode steps per chunk between two admissions

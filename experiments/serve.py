@@ -47,7 +47,7 @@ def slot_config(cfg) -> slots.SlotConfig:
                      f"{s.auto_budgets!r}, {s.budget_costs!r}") from None
   return slots.SlotConfig(
       method=s.method, budget=budget, budgets=budgets, budget_costs=costs if auto else None,
-      host_cost=s.host_cost, slots=s.slots, capacity=s.capacity,
+      slots=s.slots, capacity=s.capacity,
       chunk_steps=s.chunk_steps, max_chunk_steps=s.max_chunk_steps, pipeline=s.pipeline,
       refill_wait=s.refill_wait, max_queue=s.max_queue, attention=cfg.attention or None,
       sampling=s.sampling, max_top_k=s.max_top_k, prompt_buckets=buckets)

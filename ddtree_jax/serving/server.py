@@ -97,9 +97,6 @@ class _Metrics:
     self.budget_steps = prometheus_client.Gauge(
         "ddtree_budget_steps", "decode steps that chose each budget (budget=auto; 0 = AR)",
         ["budget"], registry=r)
-    self.host_step = prometheus_client.Gauge(
-        "ddtree_host_step_seconds", "the host's seconds per decode step, added to every budget's "
-        "cost (budget=auto)", registry=r)
     self.engine, self.window = engine, collections.deque()  # (time, tokens), the last minute
 
   def _trim(self, now: float) -> None:
@@ -119,8 +116,6 @@ class _Metrics:
     for key, steps in m.items():
       if key.startswith("steps_budget_"):
         self.budget_steps.labels(budget=key[len("steps_budget_"):]).set(steps)
-    if "host_step_s" in m:
-      self.host_step.set(m["host_step_s"])
     now = time.monotonic()
     self._trim(now)
     span = now - self.window[0][0] if len(self.window) > 1 else 0.0

@@ -45,8 +45,6 @@ from ddtree_jax.checkpoints.hf import Target
 from ddtree_jax.request import DEFAULT_BUDGETS, MAX_BUDGET, GenerateOptions, auto_options
 from ddtree_jax.spec.sampling import Settings, seed_key_data
 
-HOST_AVERAGE = 0.25  # the host's seconds per step: a running mean, then this weight a chunk
-
 
 @dataclasses.dataclass(frozen=True)
 class SlotConfig:
@@ -58,14 +56,11 @@ class SlotConfig:
   ones); sampling (False: a greedy-only program that refuses temperature > 0), the largest top_k,
   and how many of a request's stop ids the chunk checks on device. budget="auto": every step
   chooses among `budgets` (0: AR) for the rows decoding then (`spec/auto.py`), with
-  `budget_costs` the seconds per step of each (None: measured at start on a batch of `slots`),
-  plus, with host_cost, the host's own seconds per step as measured between chunks (a server's
-  host work per chunk, paid whatever the budget, favours budgets that commit more a step)."""
+  `budget_costs` the seconds per step of each (None: measured at start on a batch of `slots`)."""
   method: str = "ddtree"
   budget: int | str = 16
   budgets: tuple[int, ...] = DEFAULT_BUDGETS
   budget_costs: tuple[float, ...] | None = None
-  host_cost: bool = True
   slots: int = 8
   capacity: int = 1024
   chunk_steps: int = 8
@@ -102,7 +97,7 @@ class SlotConfig:
         or not 0 <= self.refill_wait <= 1:
       raise ValueError(f"SlotConfig.refill_wait must be a number in [0, 1], got "
                        f"{self.refill_wait!r}")
-    for name in ("pipeline", "sampling", "host_cost"):
+    for name in ("pipeline", "sampling"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"SlotConfig.{name} must be True or False, got {getattr(self, name)!r}")
     if not self.prompt_buckets or sorted(self.prompt_buckets) != list(self.prompt_buckets):
@@ -167,9 +162,6 @@ class SlotEngine:
     self._thread: threading.Thread | None = None
     self._stop = False
     self.costs = self._costs()
-    self.host_step = 0.0  # budget="auto": the host's seconds per step, added to every cost
-    self._charged = 0     # chunks measured for it
-    self._read = None     # (when the last chunk's tokens came, its steps, refill_s, wait_s)
     self.state = self._empty_state()
     self.settings = Settings.free(config.slots, config.max_stop_ids)  # host copy, per slot
     self._device_settings = None  # its device copy, None once a row changed
@@ -227,10 +219,10 @@ class SlotEngine:
     found the engine empty (after a burst, the next lone requests run short chunks a while)."""
     return len(self.active) <= 1 and not self.queue and max(self._company, default=1) <= 1
 
-  def _launch(self, in_flight: bool = False):
-    """Dispatches the next chunk: up to max_chunk_steps for a request alone, else chunk_steps
-    (in_flight: another is still running). Returns (its new tokens [slots, ...] on device,
-    {slot: request} as it was dispatched, the time it was dispatched)."""
+  def _launch(self):
+    """Dispatches the next chunk: up to max_chunk_steps for a request alone, else chunk_steps.
+    Returns (its new tokens [slots, ...] on device, {slot: request} as it was dispatched, the
+    time it was dispatched)."""
     if self._device_settings is None:
       self._device_settings = jax.tree.map(jnp.array, self.settings)  # copies
     cfg, alone = self.config, self._alone()
@@ -243,28 +235,7 @@ class SlotEngine:
     self.stats["chunks"] += 1
     self.stats["alone_chunks"] += alone
     self.stats["launch_s"] += time.perf_counter() - t0
-    if not in_flight:
-      self._charge_host(time.perf_counter())
     return new, dict(self.active), t0
-
-  def _charge_host(self, now: float) -> None:
-    """budget="auto" with host_cost: the device idled from the last chunk's tokens to this
-    dispatch, but for the waits on requests (refill) and on the device (first tokens); that gap
-    over the last chunk's steps, averaged over chunks, is added to every option's
-    cost from the next chunk on."""
-    if self.costs is None or not self.config.host_cost or self._read is None:
-      return
-    read_at, steps, refill, wait = self._read
-    self._read = None
-    gap = now - read_at - (self.stats["refill_s"] - refill) - (self.stats["wait_s"] - wait)
-    if steps < 1:
-      return
-    self._charged += 1
-    weight = max(HOST_AVERAGE, 1 / self._charged)
-    self.host_step += weight * (max(gap, 0.0) / steps - self.host_step)
-    cost = jnp.asarray(np.asarray(self.costs, np.float64) + self.host_step, jnp.float32)
-    self.state = dataclasses.replace(self.state,
-                                     auto=dataclasses.replace(self.state.auto, cost=cost))
 
   def _set_slot(self, slot: int, options: GenerateOptions | None) -> None:
     self.settings.set_row(slot, options)
@@ -338,7 +309,6 @@ class SlotEngine:
     new, holders, dispatched = launched
     rows = self._wait(new)
     t0 = time.perf_counter()
-    self._read = (t0, int(rows[0, 2]), self.stats["refill_s"], self.stats["wait_s"])
     finished = self.stats["finished"]
     self.stats["steps"] += int(rows[0, 2])
     if self.lc.budgets:  # budget="auto": the steps of each budget (every row holds them)
@@ -400,7 +370,6 @@ class SlotEngine:
     while True:
       with self.lock:
         while not self._stop and not self.queue and not self.active and launched is None:
-          self._read = None  # idle: the time until the next request is no chunk's cost
           self.lock.wait()
         if self._stop:
           return
@@ -411,7 +380,7 @@ class SlotEngine:
       if launched is None:
         self._send_firsts(firsts)
         firsts = []
-      nxt = self._launch(in_flight=launched is not None) if self.active else None
+      nxt = self._launch() if self.active else None
       if launched is not None:
         self._finish(launched)
       self._send_firsts(firsts)
@@ -420,10 +389,8 @@ class SlotEngine:
   def metrics(self) -> dict:
     """Queue depth, active slots and the counters since start (chunks, those of a request alone,
     steps, tokens; host seconds launching chunks, waiting for results, handling them and waiting
-    for requests to refill slots; budget="auto": steps_budget_B, the steps that chose B, and
-    host_step_s, the host's seconds per step added to every option's cost)."""
+    for requests to refill slots; budget="auto": steps_budget_B, the steps that chose B)."""
     with self.lock:
       queued = len(self.queue)
-    auto = {} if self.costs is None else dict(host_step_s=self.host_step)
     return dict(queue_depth=queued, active_slots=len(self.active), slots=self.config.slots,
-                **self.stats, **auto)
+                **self.stats)

@@ -27,7 +27,7 @@
 # Labels: HTTP "MODEL:RUN/SLOTS" (8b:16/1, pair:ar/32), in-process "MODEL:RUN".
 # Env: PYTHON (python3), SITE (/tmp/site), SLOTS (32: the bundled servers' slots), BUDGET_S,
 # BIG_RUNS (the 8B servers as RUN/SLOTS; "" runs none), PAIR_RUNS (the bundled servers: ar,
-# chain, a budget, auto, or auto-device: auto on the device's step times alone, no host cost),
+# chain, a budget or auto),
 # BENCH_SLOTS=1 (first bench_slots: the slot step vs the static loop at 1-32 slots, up to T_SLOTS
 # = 240 s more), SMALL=1 (a CPU dry run: a tiny random target for the 8B one, two bundled servers
 # of 2 slots, short levels).
@@ -99,8 +99,6 @@ fi
 run_args() {  # RUN -> serve config overrides (ar, chain or a DDTree budget)
   case $1 in
     ar|chain) echo "--config.serve.method=$1" ;;
-    auto-device) echo "--config.serve.method=ddtree --config.serve.budget=auto" \
-                      "--config.serve.host_cost=False" ;;
     *) echo "--config.serve.method=ddtree --config.serve.budget=$1" ;;
   esac
 }
@@ -192,7 +190,7 @@ for label in "${pair_labels[@]}"; do
 done
 stop "${pair_labels[@]}"
 step "in-process pair" "$t_inproc" $py -m experiments.http_bench --config=configs/default.py \
-  --in_process="$(tr ' ' '\n' <<<"$pair_runs" | grep -v -- -device | paste -sd,)" --label=pair --capacity=512 --config.max_new_tokens=$tokens \
+  --in_process="${pair_runs// /,}" --label=pair --capacity=512 --config.max_new_tokens=$tokens \
   --config.repeats=$repeats --json_out="$out/serve.jsonl" >>"$out/http.log" 2>&1
 
 {
