@@ -152,8 +152,10 @@ def parse_runs(spec: str) -> list[tuple[str, int | str]]:
   for x in filter(None, spec.split(",")):
     if x in ("ar", "chain"):
       runs.append((x, 0))
-    elif x == "auto" or x.isdigit():
-      runs.append(("ddtree", x if x == "auto" else int(x)))
+    elif x == "auto":
+      runs.append(("ddtree", x))
+    elif x.isdigit():
+      runs.append(("ddtree", int(x)))
     else:
       raise ValueError(f"--in_process: {x!r} is not ar, chain, a DDTree budget or auto")
   return runs
