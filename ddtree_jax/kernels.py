@@ -11,6 +11,8 @@ is a jit static argument: each configuration compiles its own program. It holds
   embed          the embedding lookup (`ops.embed_lookup`)
   moe            a MoE layer's router + experts (`moe.grouped`; on Pallas its expert GEMMs
                  `pallas.grouped_gemm`, decode steps pair by pair)
+  moe_residual   a MoE block from its input norm to the next norm: moe, the shared experts'
+                 output, the residual add and the RMSNorm (decode rows: `pallas.moe_decode`)
   vocab_top_k    the tree's top-k and logsumexp over the vocabulary (`topk.vocab_top_k`)
   delta_tree     a Gated DeltaNet layer's delta rule over a draft tree (`gated_deltanet.tree`;
                  Pallas `delta_tree`)
@@ -34,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 from ddtree_jax import sharding
 from ddtree_jax.models import attention as attention_lib
 from ddtree_jax.models import gated_deltanet, mla, moe as moe_lib, quant
-from ddtree_jax.models.ops import dense, embed_lookup, residual_norm
+from ddtree_jax.models.ops import dense, embed_lookup, residual_norm, rms_norm
 from ddtree_jax.pallas import (add_rms_norm, delta_tree, latent_attention, moe_decode, moe_ops,
                                qk_norm_rope)
 from ddtree_jax.pallas.tree_attention import tree_attention
@@ -118,11 +120,11 @@ class Kernels:
   @functools.cached_property
   def moe(self) -> Callable:
     """params, x [R, H], *, routing (`moe.Routing`) -> [R, H]: the router and the dropless
-    mixture of experts. On Pallas a step of few pairs runs the decode kernels (top-k, experts
-    and combine in two launches: `pallas.moe_decode`), others the expert GEMMs over the sorted
-    pairs (`moe.grouped`), with the pair kernels (`moe.pairs`) between where the tuning says. On
-    a mesh per shard: each device runs its experts (and its slice of their width) for every
-    row, and one psum adds the shards."""
+    mixture of experts. On Pallas a step of few pairs runs the decode kernels (the router, then
+    the top-k inside the gate/up kernel, down and combine: `pallas.moe_decode`), others the
+    expert GEMMs over the sorted pairs (`moe.grouped`), with the pair kernels (`moe.pairs`)
+    between where the tuning says. On a mesh per shard: each device runs its experts (and its
+    slice of their width) for every row, and one psum adds the shards."""
     if self.attention != "pallas":
       experts = lambda params, x, weights, chosen, routing: moe_lib.grouped(params, x, weights,
                                                                              chosen)
@@ -131,19 +133,7 @@ class Kernels:
       tuning = self.tuning
       grouped = functools.partial(moe_lib.grouped, ops=moe_ops.expert_ops(tuning))
       by_pair = functools.partial(moe_lib.pairs, ops=moe_ops.pair_ops(tuning))
-
-      def decode(params, x, routing, weights=None, chosen=None):
-        """`moe_decode.moe_decode` at the tuning's launch where it takes the step, else None."""
-        quantized = quant.is_quantized(params.w_gate_up)
-        most = tuning.moe_decode_quant_max if quantized else tuning.moe_decode_max
-        if x.shape[0] * routing.top_k > most or not moe_decode.supported(params):
-          return None
-        gate_up, block_k, warps = (tuning.moe_decode_quant_launch if quantized
-                                   else tuning.moe_decode_launch)
-        return moe_decode.moe_decode(params, x, routing, weights, chosen,
-                                     gate_up_block=gate_up, block_k=block_k, num_warps=warps,
-                                     down_blocks=tuning.moe_pair_blocks,
-                                     swap=tuning.moe_quant_swap, interpret=tuning.interpret)
+      decode = self._moe_decode
 
       def experts(params, x, weights, chosen, routing):
         y = decode(params, x, routing, weights, chosen)
@@ -162,6 +152,47 @@ class Kernels:
       weights, chosen = moe_lib.route(params, x, routing)
       return experts(params, x, weights, chosen, routing)
     return mixture
+
+  @functools.cached_property
+  def moe_residual(self) -> Callable:
+    """params, x [R, H] the residual, h [R, H] its RMSNorm, shared [R, H] or None (the shared
+    experts' output), norm [H], *, routing, eps -> (x', rms_norm(x', norm)) with x' = x +
+    (moe(h) + shared): a MoE block after its input norm. At decode rows on one device the Pallas
+    decode kernels end in one combine + residual + norm launch; elsewhere `moe`, then XLA's add
+    and norm."""
+    def block(params, x, h, shared, norm, *, routing, eps):
+      if self.attention == "pallas" and self.mesh is None:
+        out = self._moe_decode(params, h, routing, residual=x, norm=norm, shared=shared,
+                               eps=eps)
+        if out is not None:
+          return out
+      y = self.moe(params, h, routing=routing)
+      if shared is not None:
+        y = y + shared
+      x = x + y.astype(x.dtype)
+      return x, rms_norm(x, norm, eps)
+    return block
+
+  def _moe_decode(self, params, x, routing, weights=None, chosen=None, **residual):
+    """`moe_decode.moe_decode` at the tuning's launch where it takes the step (few pairs, stacks
+    it takes), else None."""
+    tuning = self.tuning
+    quantized = quant.is_quantized(params.w_gate_up)
+    most = tuning.moe_decode_quant_max if quantized else tuning.moe_decode_max
+    pairs = x.shape[0] * routing.top_k
+    if pairs > most or not moe_decode.supported(params):
+      return None
+    gate_up, block_k, warps = (tuning.moe_decode_quant_launch if quantized
+                               else tuning.moe_decode_launch)
+    span = None
+    if tuning.moe_decode_fill:
+      span, gate_up = moe_decode.fill_span(params.w_gate_up.shape[-1], pairs,
+                                           tuning.device_sm_count(), gate_up)
+    return moe_decode.moe_decode(params, x, routing, weights, chosen, gate_up_block=gate_up,
+                                 span=span, block_k=block_k, num_warps=warps,
+                                 down_blocks=tuning.moe_pair_blocks,
+                                 router=tuning.moe_router_launch, swap=tuning.moe_quant_swap,
+                                 interpret=tuning.interpret, **residual)
 
   @functools.cached_property
   def delta_tree(self) -> Callable:

@@ -133,21 +133,29 @@ def test_bad_arguments_are_refused():
 
 @pytest.mark.parametrize("fmt", ["float", "int4", "fp8"])
 def test_lowers_to_one_triton_kernel_per_stage(fmt):
-  """bfloat16 at Qwen3-30B-A3B's expert shape, routed in the kernel: the gate/up and the down
-  pair kernel lower to Triton for an H200 (the module verifies), with no XLA top-k left."""
+  """bfloat16 at Qwen3-30B-A3B's expert shape, routed in the kernel: the router, the gate/up and
+  the down pair kernel (and with the residual, the combine + norm) lower to Triton for an H200
+  (each module verifies), with no XLA top-k, sort or clamp left between them."""
   sds = jax.ShapeDtypeStruct
   h, e, i = 2048, 128, 768
   key = jax.random.key(0)
   params = jax.eval_shape(lambda: moe.init_params(key, h, e, i, BF16, bias=True, experts=fmt))
   routing = moe.Routing(8, norm_topk_prob=True, scoring="sigmoid", scaling=2.5)
-  fn = lambda p, x: moe_decode.moe_decode(p, x, routing, interpret=False)
-  with jax.sharding.use_abstract_mesh(abstract_h200_mesh()):
-    lowered = jax.jit(fn).trace(params, sds((2, h), BF16)).lower(lowering_platforms=("cuda",))
-  calls = triton_custom_calls(lowered)
-  assert len(calls) == 2
-  for call in calls:
-    asm = verify_triton_ir(call)
-    if asm is None:
-      pytest.skip("the Triton module could not be parsed back")
-    assert "tt.dot" in asm
-  assert "top_k" not in lowered.as_text() and "sort" not in lowered.as_text()
+  plain = lambda p, x: moe_decode.moe_decode(p, x, routing, interpret=False)
+  fused = lambda p, x: moe_decode.moe_decode(p, x, routing, residual=x, norm=x[0], shared=x,
+                                             span=48, gate_up_block=64, interpret=False)
+  for fn, want in ((plain, 3), (fused, 4)):
+    with jax.sharding.use_abstract_mesh(abstract_h200_mesh()):
+      lowered = jax.jit(fn).trace(params, sds((2, h), BF16)).lower(lowering_platforms=("cuda",))
+    calls = triton_custom_calls(lowered)
+    assert len(calls) == want
+    names = []
+    for call in calls:
+      asm = verify_triton_ir(call)
+      if asm is None:
+        pytest.skip("the Triton module could not be parsed back")
+      names.append(asm.split("@", 1)[1].split(" ", 1)[0])
+      assert ("tt.dot" in asm) == (names[-1] not in ("moe_router", "moe_combine_norm"))
+    assert "moe_router" in names and ("moe_combine_norm" in names) == (want == 4)
+    text = lowered.as_text()
+    assert "top_k" not in text and "sort" not in text and "minimum" not in text

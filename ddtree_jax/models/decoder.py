@@ -266,15 +266,17 @@ def mlp_block(layer, cfg, x, h, next_norm, kernels: kernels_lib.Kernels = kernel
   dense SwiGLU, or the layer's mixture of experts (`Kernels.moe`) plus its shared experts."""
   if layer.moe is not None:
     b, t, hid = h.shape
-    y = kernels.moe(layer.moe, h.reshape(b * t, hid), routing=cfg.routing).reshape(b, t, hid)
+    shared = None
     if layer.w_gate_up is not None:  # shared experts: one dense SwiGLU (Qwen's gated)
       gu = dense("bth,hsi->btsi", h, layer.w_gate_up)
       shared = dense("bti,ih->bth", jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1], layer.w_down)
       if layer.shared_gate is not None:
         shared = shared * jax.nn.sigmoid(dense("bth,h->bt", h, layer.shared_gate))[..., None]
-      y = y + shared
-    x = x + y.astype(x.dtype)
-    return x, rms_norm(x, next_norm, cfg.rms_norm_eps)
+      shared = shared.reshape(b * t, hid)
+    rows = lambda a: a.reshape(b * t, hid)
+    x, h = kernels.moe_residual(layer.moe, rows(x), rows(h), shared, next_norm,
+                                routing=cfg.routing, eps=cfg.rms_norm_eps)
+    return x.reshape(b, t, hid), h.reshape(b, t, hid)
   gu = dense("bth,hsi->btsi", h, layer.w_gate_up)
   return kernels.residual_norm(x, "bti,ih->bth", jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1],
                                layer.w_down, next_norm, eps=cfg.rms_norm_eps)

@@ -142,18 +142,22 @@ def grouped_matmul(lhs, rhs, group_sizes, *, block_m: int = 16, block_n: int = 1
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("rows_per_lhs",))
-def pair_matmul(lhs, rhs, groups, *, rows_per_lhs: int = 1, block_m: int = 16,
+def pair_matmul(lhs, rhs, groups, *, here=None, rows_per_lhs: int = 1, block_m: int = 16,
                 block_n: int = 64, block_k: int = 128, num_warps: int = 4, num_stages: int = 2,
                 swiglu: bool = False, interpret=None):
   """One tile per pair, no sort: lhs [M, K], rhs [E, K, N], groups [P] int -> [P, N], row p =
   lhs[p // rows_per_lhs] @ rhs[groups[p]] (swiglu as grouped_matmul); a pair whose group is E
   (held elsewhere) is not computed and its row is undefined. For steps of few pairs (a decode
-  step), where every tile of grouped_matmul holds one row anyway."""
+  step), where every tile of grouped_matmul holds one row anyway. here [P] int32: given, groups
+  are already clamped to [0, E) and here (0 / 1) says which pairs to compute (a kernel that
+  wrote both spares XLA's launch that would)."""
   if groups.ndim != 1 or rows_per_lhs < 1 or -(-groups.shape[0] // rows_per_lhs) > lhs.shape[0]:
     raise ValueError(f"pair_matmul: groups {groups.shape} with rows_per_lhs={rows_per_lhs} do "
                      f"not fit lhs {lhs.shape}")
-  here = (groups < rhs.shape[0]).astype(jnp.int32)
-  return _launch(jnp.minimum(groups, rhs.shape[0] - 1).astype(jnp.int32), here, lhs, rhs,
+  if here is None:
+    here = (groups < rhs.shape[0]).astype(jnp.int32)
+    groups = jnp.minimum(groups, rhs.shape[0] - 1)
+  return _launch(groups.astype(jnp.int32), here.astype(jnp.int32), lhs, rhs,
                  groups.shape[0], pair_div=rows_per_lhs, block_m=block_m, block_n=block_n,
                  block_k=block_k, num_warps=num_warps, num_stages=num_stages, swiglu=swiglu,
                  interpret=interpret)

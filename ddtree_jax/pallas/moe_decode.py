@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ddtree_jax.models import moe, quant
-from ddtree_jax.pallas import grouped_gemm, quant_gemm
+from ddtree_jax.pallas import grouped_gemm, moe_glue, quant_gemm
 
 F32 = jnp.float32
 
@@ -113,8 +113,9 @@ def _operands(lhs, w, swiglu: bool, block_k: int, asm: bool, name: str):
 
 
 def _row_routing(route_refs, r, *, routing, num_experts, lanes, dtype):
-  """Row r's (experts, weights), top_k scalars each: chosen from the logits (route_refs =
-  (logits [R, E], bias [E] or absent)) or read (route_refs = (experts [R, k], weights [R, k]))."""
+  """Row r's (experts, weights), top_k scalars each: chosen from the router's partial logits
+  (route_refs = (partials [S, R, E], bias [E] or absent), summed over S in order) or read
+  (route_refs = (experts [R, k], weights [R, k]))."""
   if len(route_refs) == 2 and route_refs[0].dtype == jnp.int32:
     experts_ref, weights_ref = route_refs
     return ([experts_ref[r, j] for j in range(routing.top_k)],
@@ -122,7 +123,12 @@ def _row_routing(route_refs, r, *, routing, num_experts, lanes, dtype):
   lane = jnp.arange(lanes)
   ids = jnp.minimum(lane, num_experts - 1)
   valid = lane < num_experts
-  logits = jnp.where(valid, plgpu.load(route_refs[0].at[jnp.full((lanes,), r), ids]), -jnp.inf)
+  partials = route_refs[0]
+  at = lambda s: partials.at[jnp.full((lanes,), s), jnp.full((lanes,), r), ids]
+  logits = plgpu.load(at(0))
+  for s in range(1, partials.shape[0]):
+    logits = logits + plgpu.load(at(s))
+  logits = jnp.where(valid, logits, -jnp.inf)
   bias = None
   if len(route_refs) == 2:
     bias = jnp.where(valid, plgpu.load(route_refs[1].at[ids]).astype(F32), 0.0)
@@ -130,8 +136,9 @@ def _row_routing(route_refs, r, *, routing, num_experts, lanes, dtype):
 
 
 def _gate_up_kernel(*refs, n_route, step_fn, routing, num_experts, lanes, block_m, block_n,
-                    k_steps, n_dim, swap, dtype, meta):
-  route_refs, (x_ref, *w_refs, o_ref, experts_ref, weights_ref) = refs[:n_route], refs[n_route:]
+                    span, k_steps, n_dim, swap, dtype, meta):
+  route_refs, (x_ref, *w_refs, o_ref, group_ref, here_ref, weights_ref) = (refs[:n_route],
+                                                                           refs[n_route:])
   p, c = pl.program_id(0), pl.program_id(1)  # (outside the `when`: interpret mode)
   r, j = p // routing.top_k, p % routing.top_k
   experts, weights = _row_routing(route_refs, r, routing=routing, num_experts=num_experts,
@@ -141,13 +148,18 @@ def _gate_up_kernel(*refs, n_route, step_fn, routing, num_experts, lanes, block_
     e = jnp.where(j == rank, experts[rank], e)
     w = jnp.where(j == rank, weights[rank], w)
   row_ok = jnp.arange(block_m) < 1
-  cols = c * block_n + jnp.arange(block_n)
-  tile = quant_gemm.Tile(swap, r + jnp.arange(block_m), row_ok, c * block_n, cols, cols < n_dim)
+  n0 = c * span
+  cols = n0 + jnp.arange(block_n)
+  col_ok = (jnp.arange(block_n) < span) & (cols < n_dim)
+  tile = quant_gemm.Tile(swap, r + jnp.arange(block_m), row_ok, n0, cols, col_ok)
 
   @pl.when(c == 0)
   def _():
     pair = p + jnp.arange(block_m)
-    plgpu.store(experts_ref.at[pair], jnp.full((block_m,), e, jnp.int32), mask=row_ok)
+    here = e < num_experts
+    plgpu.store(group_ref.at[pair], jnp.full((block_m,), jnp.minimum(e, num_experts - 1),
+                                             jnp.int32), mask=row_ok)
+    plgpu.store(here_ref.at[pair], jnp.full((block_m,), here.astype(jnp.int32)), mask=row_ok)
     plgpu.store(weights_ref.at[pair], jnp.full((block_m,), w, F32), mask=row_ok)
 
   @pl.when(e < num_experts)
@@ -163,72 +175,112 @@ def _gate_up_kernel(*refs, n_route, step_fn, routing, num_experts, lanes, block_
                 mask=mr & mc)
 
 
-def _gate_up(route, x, w, pairs: int, *, block_n, block_k, routing, num_warps, num_stages, swap,
-             interpret):
-  """The routed gate/up kernel: (a [P, I] in x's dtype, experts [P] int32, weights [P] f32)."""
+def fill_span(n_dim: int, pairs: int, sm_count: int, block_n: int) -> tuple[int, int]:
+  """(columns per program, their power-of-two load width) that spread `pairs` x n_dim columns
+  over about sm_count programs: a grid of pairs x 12 programs leaves a third of 132 SMs idle,
+  and each SM streams only so fast. Spans are multiples of 16 columns (32-byte rows in bf16),
+  loads at most block_n wide."""
+  per_pair = max(1, sm_count // pairs)
+  span = -(-n_dim // per_pair)
+  span = min(block_n, -(-span // 16) * 16)
+  return span, min(block_n, pl.next_power_of_2(span))
+
+
+def _gate_up(route, x, w, pairs: int, *, block_n, span, block_k, routing, num_warps,
+             num_stages, swap, interpret):
+  """The routed gate/up kernel: (a [P, I] in x's dtype, the pairs' experts clamped to [0, E)
+  [P] int32, whether each is held here [P] int32, their weights [P] f32)."""
   stacks, k_steps, n_dim, step_fn, meta = _operands(x, w, True, block_k, not interpret,
                                                     "moe_decode")
   if num_stages is None:
     num_stages = quant_gemm.DEFAULT_STAGES.get(type(w), 3)
+  span = span or block_n
+  if span > block_n:
+    raise ValueError(f"moe_decode: span {span} exceeds the load width {block_n}")
   whole = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))
+  vec = lambda dt: jax.ShapeDtypeStruct((pairs,), dt)
   return pl.pallas_call(
       functools.partial(_gate_up_kernel, n_route=len(route), step_fn=step_fn, routing=routing,
                         num_experts=w.shape[0], lanes=max(16, pl.next_power_of_2(
-                            route[0].shape[1])), block_m=16, block_n=block_n, k_steps=k_steps,
-                        n_dim=n_dim, swap=swap, dtype=x.dtype, meta=meta),
-      grid=(pairs, pl.cdiv(n_dim, block_n)),
+                            route[0].shape[-1])), block_m=16, block_n=block_n, span=span,
+                        k_steps=k_steps, n_dim=n_dim, swap=swap, dtype=x.dtype, meta=meta),
+      grid=(pairs, pl.cdiv(n_dim, span)),
       in_specs=[whole(a.shape) for a in (*route, x, *stacks)],
-      out_specs=[whole((pairs, n_dim)), whole((pairs,)), whole((pairs,))],
-      out_shape=[jax.ShapeDtypeStruct((pairs, n_dim), x.dtype),
-                 jax.ShapeDtypeStruct((pairs,), jnp.int32),
-                 jax.ShapeDtypeStruct((pairs,), F32)],
+      out_specs=[whole((pairs, n_dim))] + [whole((pairs,))] * 3,
+      out_shape=[jax.ShapeDtypeStruct((pairs, n_dim), x.dtype), vec(jnp.int32), vec(jnp.int32),
+                 vec(F32)],
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
       name="moe_decode_gate_up",
   )(*route, x, *stacks)
 
 
-_STATIC = ("routing", "gate_up_block", "block_k", "num_warps", "num_stages", "down_blocks",
-           "swap", "interpret")
+_STATIC = ("routing", "gate_up_block", "span", "block_k", "num_warps", "num_stages",
+           "down_blocks", "router", "swap", "eps", "interpret")
+
+
+def _partial_logits(params: moe.MoEParams, x, router: tuple[int, int, int, int], interpret):
+  """The router's logits of x as [S, R, E] float32 partials: `moe_glue.router_partials` at
+  router = (splits, block_e, block_h, warps) where it takes H, else XLA's [1, R, E]."""
+  splits, block_e, block_h, warps = router
+  if splits and moe_glue.router_supported(x.shape[1], splits, block_h):
+    return moe_glue.router_partials(x, params.router.astype(F32), splits=splits,
+                                    block_e=block_e, block_h=block_h, num_warps=warps,
+                                    interpret=interpret)
+  return moe.router_logits(params, x)[None]
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def moe_decode(params: moe.MoEParams, x, routing: moe.Routing, weights=None, experts=None, *,
-               gate_up_block: int = 32, block_k: int = 256, num_warps: int = 4,
+def moe_decode(params: moe.MoEParams, x, routing: moe.Routing, weights=None, experts=None,
+               residual=None, norm=None, shared=None, *, gate_up_block: int = 32,
+               span: int | None = None, block_k: int = 256, num_warps: int = 4,
                num_stages: int | None = None, down_blocks: tuple[int, int, int] = (16, 64, 256),
-               swap: bool = False, interpret=None):
+               router: tuple[int, int, int, int] = (8, 32, 64, 4), swap: bool = False,
+               eps: float = 1e-6, interpret=None):
   """The layer's mixture of experts for x [R, H] -> [R, H] in x's dtype: routed from the
   router's logits inside the gate/up kernel (weights, experts None; one expert group, else
   routed by `moe.select`) or over given weights [R, k] and experts [R, k] (E: elsewhere), as
-  `moe.pairs`. gate_up_block: columns of I per program; block_k: inputs per K step (int4: a
-  power of two >= 128); num_stages None: `quant_gemm.DEFAULT_STAGES`, 3 for float stacks;
-  down_blocks: the down pair kernel's (block_m, block_n, block_k); swap: quantized tiles
+  `moe.pairs`. With residual [R, H] (and norm [H], shared [R, H] or None: the shared experts'
+  output) it returns `moe_glue.combine_norm`'s (x', rms_norm(x', norm)) instead, x' = residual +
+  (mixture + shared), in one launch after the down kernel.
+
+  gate_up_block: the gate/up kernel's load width in I columns (a power of two), span: columns
+  per program (<= gate_up_block; None: gate_up_block; `fill_span`); block_k: inputs per K step
+  (int4: a power of two >= 128); num_stages None: `quant_gemm.DEFAULT_STAGES`, 3 for float
+  stacks; down_blocks: the down pair kernel's (block_m, block_n, block_k); router: the router
+  kernel's (splits, block_e, block_h, warps), splits 0 = XLA's router; swap: quantized tiles
   computed transposed (`quant_gemm`); interpret None: on a CPU backend."""
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
   if (weights is None) != (experts is None):
     raise ValueError("moe_decode: give both weights and experts, or neither")
+  if (residual is None) != (norm is None) or (shared is not None and residual is None):
+    raise ValueError("moe_decode: residual and norm come together (shared only with them)")
   if weights is None:
-    logits = moe.router_logits(params, x)
+    partials = _partial_logits(params, x, router, interpret)
     if routing.n_group > 1:
-      weights, experts = moe.select(logits, params.bias, routing, x.dtype)
+      weights, experts = moe.select(jnp.sum(partials, axis=0), params.bias, routing, x.dtype)
   if weights is None:
-    route = (logits,) if params.bias is None else (logits, params.bias.astype(F32))
+    route = (partials,) if params.bias is None else (partials, params.bias.astype(F32))
   else:
     if experts.shape != (x.shape[0], routing.top_k) or weights.shape != experts.shape:
       raise ValueError(f"moe_decode: weights {weights.shape} and experts {experts.shape} must "
                        f"be [rows, top_k] = [{x.shape[0]}, {routing.top_k}]")
     route = (experts.astype(jnp.int32), weights.astype(x.dtype).astype(F32))
   r, k = x.shape[0], routing.top_k
-  a, chosen, w = _gate_up(route, x, params.w_gate_up, r * k, block_n=gate_up_block,
-                          block_k=block_k, routing=routing, num_warps=num_warps,
-                          num_stages=num_stages,
-                          swap=swap and quant.is_quantized(params.w_gate_up), interpret=interpret)
+  a, group, here, w = _gate_up(route, x, params.w_gate_up, r * k, block_n=gate_up_block,
+                               span=span, block_k=block_k, routing=routing,
+                               num_warps=num_warps, num_stages=num_stages,
+                               swap=swap and quant.is_quantized(params.w_gate_up),
+                               interpret=interpret)
   bm, bn, bk = down_blocks
-  kw = dict(block_m=bm, block_n=bn, block_k=bk, interpret=interpret)
+  kw = dict(here=here, block_m=bm, block_n=bn, block_k=bk, interpret=interpret)
   if quant.is_quantized(params.w_down):
-    y = quant_gemm.pair_matmul(a, params.w_down, chosen, swap=swap, **kw)
+    y = quant_gemm.pair_matmul(a, params.w_down, group, swap=swap, **kw)
   else:
-    y = grouped_gemm.pair_matmul(a, params.w_down, chosen, **kw)
-  e = params.w_gate_up.shape[0]
-  return moe.sum_pairs(y, w.reshape(r, k), chosen.reshape(r, k), e).astype(x.dtype)
+    y = grouped_gemm.pair_matmul(a, params.w_down, group, **kw)
+  if residual is not None:
+    return moe_glue.combine_norm(y, w.reshape(r, k), here, residual, norm, shared, eps=eps,
+                                 interpret=interpret)
+  held = jnp.where(here > 0, 0, 1).reshape(r, k)   # (1: the one "elsewhere" id)
+  return moe.sum_pairs(y, w.reshape(r, k), held, 1).astype(x.dtype)

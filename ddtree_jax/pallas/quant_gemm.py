@@ -367,20 +367,22 @@ def grouped_matmul(lhs, rhs, group_sizes, *, block_m: int = 16, block_n: int = 1
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("rows_per_lhs",))
-def pair_matmul(lhs, rhs, groups, *, rows_per_lhs: int = 1, block_m: int = 16,
+def pair_matmul(lhs, rhs, groups, *, here=None, rows_per_lhs: int = 1, block_m: int = 16,
                 block_n: int = 64, block_k: int = 256, num_warps: int = 4,
                 num_stages: int | None = None, swiglu: bool = False, swap: bool = False,
                 prefetch: bool = False, asm: bool = True, interpret=None):
   """`grouped_gemm.pair_matmul` over a quantized stack: lhs [M, K], rhs as grouped_matmul's,
   groups [P] int -> [P, N], row p = lhs[p // rows_per_lhs] @ rhs[groups[p]]; a pair of group E
-  (held elsewhere) is not computed and its row is undefined. Launch options as
-  grouped_matmul's."""
+  (held elsewhere) is not computed and its row is undefined; here as
+  `grouped_gemm.pair_matmul`'s. Launch options as grouped_matmul's."""
   e = _experts(rhs)
   if groups.ndim != 1 or rows_per_lhs < 1 or -(-groups.shape[0] // rows_per_lhs) > lhs.shape[0]:
     raise ValueError(f"pair_matmul: groups {groups.shape} with rows_per_lhs={rows_per_lhs} do "
                      f"not fit lhs {lhs.shape}")
-  here = (groups < e).astype(jnp.int32)
-  return _launch(jnp.minimum(groups, e - 1).astype(jnp.int32), here, lhs, rhs, groups.shape[0],
+  if here is None:
+    here = (groups < e).astype(jnp.int32)
+    groups = jnp.minimum(groups, e - 1)
+  return _launch(groups.astype(jnp.int32), here.astype(jnp.int32), lhs, rhs, groups.shape[0],
                  pair_div=rows_per_lhs, block_m=block_m, block_n=block_n, block_k=block_k,
                  num_warps=num_warps, num_stages=num_stages, swiglu=swiglu, swap=swap,
                  prefetch=prefetch, asm=asm, interpret=interpret, name="pair_matmul")

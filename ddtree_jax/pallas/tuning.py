@@ -50,6 +50,13 @@ class KernelTuning:
   moe_decode_quant_max: int = 8
   moe_decode_launch: tuple[int, int, int] = (64, 128, 4)
   moe_decode_quant_launch: tuple[int, int, int] = (64, 256, 4)
+  # the gate/up kernel's I columns per program spread so that pairs x programs fills about
+  # the SM count (`moe_decode.fill_span`, load width at most the launch's); False: the launch's
+  # width per program
+  moe_decode_fill: bool = True
+  # the decode router (`moe_glue.router_partials`): (slices of H, experts per program, H rows
+  # per K step, warps); 0 slices: XLA's router
+  moe_router_launch: tuple[int, int, int, int] = (8, 32, 64, 4)
   # quantized expert stacks (`pallas.quant_gemm`): the dequantized weights as the dot's left
   # operand (swap: the tile computed transposed) or its right one, as the float kernels
   moe_quant_swap: bool = False
