@@ -17,7 +17,7 @@ from helpers import assert_close_rel
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 H, E, I = 256, 12, 256
-LAUNCH = dict(gate_up_block=64, span=48, block_k=128, down_blocks=(16, 32, 128),
+LAUNCH = dict(gate_up_block=64, span=48, block_k=128, down_blocks=(16, 64, 128), down_span=48,
               router=(4, 8, 32, 4))
 
 
@@ -97,7 +97,8 @@ def _ragged(routing, rows, kind):
 @pytest.mark.parametrize("kind", ["same", "spread"])
 def test_decode_with_residual_under_ragged_routing(fmt, kind):
   """moe_decode over given experts with the residual: the reference mixture, plus the shared
-  output and the residual, normed; spans of 48 columns in 64-wide loads (a ragged last span)."""
+  output and the residual, normed; gate/up and down spans of 48 columns in 64-wide loads (a
+  ragged last span)."""
   routing = moe.Routing(3, norm_topk_prob=True)
   params, x = _layer(fmt, rows=3)
   ex = _ragged(routing, 3, kind)

@@ -51,7 +51,7 @@ def tiles(group_sizes, m: int, block_m: int):
   return group, jnp.where(rows > 0, row0, 0), rows
 
 
-def _kernel(*refs, block_m, block_n, block_k, k_dim, n_dim, swiglu, pair_div):
+def _kernel(*refs, block_m, block_n, span, block_k, k_dim, n_dim, swiglu, pair_div):
   """One tile: rows [r0, r0 + rows) of x times group g's weights, written from row out0. With
   pair_div the tile is pair t (its program id): x's row t // pair_div, output row t (no row
   arrays to load; XLA would launch a kernel per step to write them)."""
@@ -60,14 +60,14 @@ def _kernel(*refs, block_m, block_n, block_k, k_dim, n_dim, swiglu, pair_div):
   else:
     group_ref, row0_ref, rows_ref, out0_ref, x_ref, w_ref, o_ref = refs
   t = pl.program_id(0)  # (program ids outside the `when`: interpret mode)
-  rows, n0 = rows_ref[()], pl.program_id(1) * block_n
+  rows, n0 = rows_ref[()], pl.program_id(1) * span
 
   @pl.when(rows > 0)
   def _():
     g = group_ref[()]
     r0, o0 = (t // pair_div, t) if pair_div else (row0_ref[()], out0_ref[()])
     row_ok = jnp.arange(block_m) < rows
-    col_ok = (n0 + jnp.arange(block_n)) < n_dim
+    col_ok = (jnp.arange(block_n) < span) & ((n0 + jnp.arange(block_n)) < n_dim)
     dot = lambda a, b: lax.dot_general(a, b, (((1,), (0,)), ((), ())),
                                        preferred_element_type=jnp.float32)
 
@@ -89,9 +89,10 @@ def _kernel(*refs, block_m, block_n, block_k, k_dim, n_dim, swiglu, pair_div):
 
 
 def _launch(group, rows, lhs, rhs, m_out, *, row0=None, out0=None, pair_div=0, block_m,
-            block_n, block_k, num_warps, num_stages, swiglu, interpret):
+            block_n, block_k, num_warps, num_stages, swiglu, interpret, span=None):
   """The tiles' pallas_call: lhs [M, K], rhs [E, K, N] (swiglu: [E, K, 2, N]) -> [m_out, N];
-  per tile its group and rows, and its first row and output row (row0, out0) or pair_div."""
+  per tile its group and rows, and its first row and output row (row0, out0) or pair_div; span:
+  columns per program (<= block_n, the load width; None: block_n)."""
   if swiglu:
     if rhs.ndim != 4 or rhs.shape[2] != 2:
       raise ValueError(f"grouped_matmul(swiglu=True): rhs must be [E, K, 2, N], got {rhs.shape}")
@@ -105,13 +106,14 @@ def _launch(group, rows, lhs, rhs, m_out, *, row0=None, out0=None, pair_div=0, b
     raise ValueError(f"grouped_matmul: lhs is {lhs.dtype}, rhs {rhs.dtype}")
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
+  span = check_span(span, block_n)
   per_tile = (group, rows) if pair_div else (group, row0, rows, out0)
   scalar = pl.BlockSpec((None,), lambda t, n: (t,))
   whole = lambda shape: pl.BlockSpec(shape, lambda t, n: (0,) * len(shape))
   return pl.pallas_call(
-      functools.partial(_kernel, block_m=block_m, block_n=block_n, block_k=block_k,
+      functools.partial(_kernel, block_m=block_m, block_n=block_n, span=span, block_k=block_k,
                         k_dim=k_dim, n_dim=n_dim, swiglu=swiglu, pair_div=pair_div),
-      grid=(group.shape[0], pl.cdiv(n_dim, block_n)),
+      grid=(group.shape[0], pl.cdiv(n_dim, span)),
       in_specs=[scalar] * len(per_tile) + [whole((m, k_dim)), whole(rhs.shape)],
       out_specs=whole((m_out, n_dim)),
       out_shape=jax.ShapeDtypeStruct((m_out, n_dim), lhs.dtype),
@@ -119,6 +121,15 @@ def _launch(group, rows, lhs, rhs, m_out, *, row0=None, out0=None, pair_div=0, b
       interpret=interpret,
       name="grouped_matmul",
   )(*per_tile, lhs, rhs)
+
+
+def check_span(span, block_n: int) -> int:
+  """A program's columns: span (None: block_n), a positive multiple of 16 up to block_n."""
+  span = span or block_n
+  if span > block_n or (span < block_n and span % 16):
+    raise ValueError(f"span {span}: columns per program must be a multiple of 16 up to the "
+                     f"load width {block_n}")
+  return span
 
 
 _STATIC = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "swiglu", "interpret")
@@ -141,16 +152,17 @@ def grouped_matmul(lhs, rhs, group_sizes, *, block_m: int = 16, block_n: int = 1
                  swiglu=swiglu, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("rows_per_lhs",))
+@functools.partial(jax.jit, static_argnames=_STATIC + ("rows_per_lhs", "span"))
 def pair_matmul(lhs, rhs, groups, *, here=None, rows_per_lhs: int = 1, block_m: int = 16,
                 block_n: int = 64, block_k: int = 128, num_warps: int = 4, num_stages: int = 2,
-                swiglu: bool = False, interpret=None):
+                swiglu: bool = False, span: int | None = None, interpret=None):
   """One tile per pair, no sort: lhs [M, K], rhs [E, K, N], groups [P] int -> [P, N], row p =
   lhs[p // rows_per_lhs] @ rhs[groups[p]] (swiglu as grouped_matmul); a pair whose group is E
   (held elsewhere) is not computed and its row is undefined. For steps of few pairs (a decode
   step), where every tile of grouped_matmul holds one row anyway. here [P] int32: given, groups
   are already clamped to [0, E) and here (0 / 1) says which pairs to compute (a kernel that
-  wrote both spares XLA's launch that would)."""
+  wrote both spares XLA's launch that would). span: columns per program (a multiple of 16 up
+  to block_n, the load width; None: block_n): `moe_decode.fill_span`."""
   if groups.ndim != 1 or rows_per_lhs < 1 or -(-groups.shape[0] // rows_per_lhs) > lhs.shape[0]:
     raise ValueError(f"pair_matmul: groups {groups.shape} with rows_per_lhs={rows_per_lhs} do "
                      f"not fit lhs {lhs.shape}")
@@ -160,7 +172,7 @@ def pair_matmul(lhs, rhs, groups, *, here=None, rows_per_lhs: int = 1, block_m: 
   return _launch(groups.astype(jnp.int32), here.astype(jnp.int32), lhs, rhs,
                  groups.shape[0], pair_div=rows_per_lhs, block_m=block_m, block_n=block_n,
                  block_k=block_k, num_warps=num_warps, num_stages=num_stages, swiglu=swiglu,
-                 interpret=interpret)
+                 interpret=interpret, span=span)
 
 
 def _combine_kernel(*refs, k, block_h, h_dim):

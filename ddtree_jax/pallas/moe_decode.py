@@ -194,9 +194,7 @@ def _gate_up(route, x, w, pairs: int, *, block_n, span, block_k, routing, num_wa
                                                     "moe_decode")
   if num_stages is None:
     num_stages = quant_gemm.DEFAULT_STAGES.get(type(w), 3)
-  span = span or block_n
-  if span > block_n:
-    raise ValueError(f"moe_decode: span {span} exceeds the load width {block_n}")
+  span = grouped_gemm.check_span(span, block_n)
   whole = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))
   vec = lambda dt: jax.ShapeDtypeStruct((pairs,), dt)
   return pl.pallas_call(
@@ -216,7 +214,7 @@ def _gate_up(route, x, w, pairs: int, *, block_n, span, block_k, routing, num_wa
 
 
 _STATIC = ("routing", "gate_up_block", "span", "block_k", "num_warps", "num_stages",
-           "down_blocks", "router", "swap", "eps", "interpret")
+           "down_blocks", "down_span", "router", "swap", "eps", "interpret")
 
 
 def _partial_logits(params: moe.MoEParams, x, router: tuple[int, int, int, int], interpret):
@@ -235,7 +233,7 @@ def moe_decode(params: moe.MoEParams, x, routing: moe.Routing, weights=None, exp
                residual=None, norm=None, shared=None, *, gate_up_block: int = 32,
                span: int | None = None, block_k: int = 256, num_warps: int = 4,
                num_stages: int | None = None, down_blocks: tuple[int, int, int] = (16, 64, 256),
-               router: tuple[int, int, int, int] = (8, 32, 64, 4), swap: bool = False,
+               down_span: int | None = None, router: tuple[int, int, int, int] = (8, 32, 64, 4), swap: bool = False,
                eps: float = 1e-6, interpret=None):
   """The layer's mixture of experts for x [R, H] -> [R, H] in x's dtype: routed from the
   router's logits inside the gate/up kernel (weights, experts None; one expert group, else
@@ -247,7 +245,8 @@ def moe_decode(params: moe.MoEParams, x, routing: moe.Routing, weights=None, exp
   gate_up_block: the gate/up kernel's load width in I columns (a power of two), span: columns
   per program (<= gate_up_block; None: gate_up_block; `fill_span`); block_k: inputs per K step
   (int4: a power of two >= 128); num_stages None: `quant_gemm.DEFAULT_STAGES`, 3 for float
-  stacks; down_blocks: the down pair kernel's (block_m, block_n, block_k); router: the router
+  stacks; down_blocks: the down pair kernel's (block_m, block_n, block_k), down_span its H
+  columns per program (None: block_n); router: the router
   kernel's (splits, block_e, block_h, warps), splits 0 = XLA's router; swap: quantized tiles
   computed transposed (`quant_gemm`); interpret None: on a CPU backend."""
   if interpret is None:
@@ -274,7 +273,7 @@ def moe_decode(params: moe.MoEParams, x, routing: moe.Routing, weights=None, exp
                                swap=swap and quant.is_quantized(params.w_gate_up),
                                interpret=interpret)
   bm, bn, bk = down_blocks
-  kw = dict(here=here, block_m=bm, block_n=bn, block_k=bk, interpret=interpret)
+  kw = dict(here=here, block_m=bm, block_n=bn, block_k=bk, span=down_span, interpret=interpret)
   if quant.is_quantized(params.w_down):
     y = quant_gemm.pair_matmul(a, params.w_down, group, swap=swap, **kw)
   else:

@@ -219,8 +219,8 @@ def _dot(a, b):
   return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def _kernel(*refs, step_fn, block_m, block_n, k_steps, n_dim, swiglu, pair_div, swap, prefetch,
-            **meta):
+def _kernel(*refs, step_fn, block_m, block_n, span, k_steps, n_dim, swiglu, pair_div, swap,
+            prefetch, **meta):
   """One tile (`grouped_gemm._kernel`'s scheme) over quantized weights: rows [r0, r0 + rows) of
   x times group g's dequantized weights, written from row out0 (pair_div: pair t, x's row
   t // pair_div)."""
@@ -229,7 +229,7 @@ def _kernel(*refs, step_fn, block_m, block_n, k_steps, n_dim, swiglu, pair_div, 
   else:
     group_ref, row0_ref, rows_ref, out0_ref, *ops, o_ref = refs
   t = pl.program_id(0)  # (program ids outside the `when`: interpret mode)
-  rows, n0 = rows_ref[()], pl.program_id(1) * block_n
+  rows, n0 = rows_ref[()], pl.program_id(1) * span
 
   @pl.when(rows > 0)
   def _():
@@ -237,7 +237,8 @@ def _kernel(*refs, step_fn, block_m, block_n, k_steps, n_dim, swiglu, pair_div, 
     r0, o0 = (t // pair_div, t) if pair_div else (row0_ref[()], out0_ref[()])
     row_ok = jnp.arange(block_m) < rows
     cols = n0 + jnp.arange(block_n)
-    tile = Tile(swap, r0 + jnp.arange(block_m), row_ok, n0, cols, cols < n_dim)
+    col_ok = (jnp.arange(block_n) < span) & (cols < n_dim)
+    tile = Tile(swap, r0 + jnp.arange(block_m), row_ok, n0, cols, col_ok)
     # swiglu: columns [0, N) of the stack are the gate, [N, 2N) the up projection
     halves = (0, n_dim) if swiglu else (0,)
     load, compute = step_fn(ops, g, tile, halves, n_dim=n_dim, **meta)
@@ -310,7 +311,7 @@ def operands(lhs, rhs, swiglu: bool, block_k: int, asm: bool, name: str):
 
 def _launch(group, rows, lhs, rhs, m_out, *, row0=None, out0=None, pair_div=0, block_m,
             block_n, block_k, num_warps, num_stages, swiglu, swap, prefetch, asm, interpret,
-            name):
+            name, span=None):
   """The tiles' pallas_call: lhs [M, K], rhs quantized [E, K, N] (swiglu [E, K, 2, N]) ->
   [m_out, N]; per tile its group and rows, and its first row and output row or pair_div."""
   if interpret is None:
@@ -319,14 +320,15 @@ def _launch(group, rows, lhs, rhs, m_out, *, row0=None, out0=None, pair_div=0, b
     num_stages = DEFAULT_STAGES[type(rhs)]
   w, s, k_steps, n_dim, step_fn, meta = operands(lhs, rhs, swiglu, block_k,
                                                   asm and not interpret, name)
+  span = grouped_gemm.check_span(span, block_n)
   per_tile = (group, rows) if pair_div else (group, row0, rows, out0)
   scalar = pl.BlockSpec((None,), lambda t, n: (t,))
   whole = lambda shape: pl.BlockSpec(shape, lambda t, n: (0,) * len(shape))
   return pl.pallas_call(
-      functools.partial(_kernel, step_fn=step_fn, block_m=block_m, block_n=block_n,
+      functools.partial(_kernel, step_fn=step_fn, block_m=block_m, block_n=block_n, span=span,
                         k_steps=k_steps, n_dim=n_dim, swiglu=swiglu, pair_div=pair_div,
                         swap=swap, prefetch=prefetch, **meta),
-      grid=(group.shape[0], pl.cdiv(n_dim, block_n)),
+      grid=(group.shape[0], pl.cdiv(n_dim, span)),
       in_specs=[scalar] * len(per_tile) + [whole(a.shape) for a in (lhs, w, s)],
       out_specs=whole((m_out, n_dim)),
       out_shape=jax.ShapeDtypeStruct((m_out, n_dim), lhs.dtype),
@@ -366,15 +368,16 @@ def grouped_matmul(lhs, rhs, group_sizes, *, block_m: int = 16, block_n: int = 1
                  name="grouped_matmul")
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("rows_per_lhs",))
+@functools.partial(jax.jit, static_argnames=_STATIC + ("rows_per_lhs", "span"))
 def pair_matmul(lhs, rhs, groups, *, here=None, rows_per_lhs: int = 1, block_m: int = 16,
                 block_n: int = 64, block_k: int = 256, num_warps: int = 4,
                 num_stages: int | None = None, swiglu: bool = False, swap: bool = False,
-                prefetch: bool = False, asm: bool = True, interpret=None):
+                prefetch: bool = False, asm: bool = True, span: int | None = None,
+                interpret=None):
   """`grouped_gemm.pair_matmul` over a quantized stack: lhs [M, K], rhs as grouped_matmul's,
   groups [P] int -> [P, N], row p = lhs[p // rows_per_lhs] @ rhs[groups[p]]; a pair of group E
   (held elsewhere) is not computed and its row is undefined; here as
-  `grouped_gemm.pair_matmul`'s. Launch options as grouped_matmul's."""
+  `grouped_gemm.pair_matmul`'s, and span. Launch options as grouped_matmul's."""
   e = _experts(rhs)
   if groups.ndim != 1 or rows_per_lhs < 1 or -(-groups.shape[0] // rows_per_lhs) > lhs.shape[0]:
     raise ValueError(f"pair_matmul: groups {groups.shape} with rows_per_lhs={rows_per_lhs} do "
@@ -385,4 +388,4 @@ def pair_matmul(lhs, rhs, groups, *, here=None, rows_per_lhs: int = 1, block_m: 
   return _launch(groups.astype(jnp.int32), here.astype(jnp.int32), lhs, rhs, groups.shape[0],
                  pair_div=rows_per_lhs, block_m=block_m, block_n=block_n, block_k=block_k,
                  num_warps=num_warps, num_stages=num_stages, swiglu=swiglu, swap=swap,
-                 prefetch=prefetch, asm=asm, interpret=interpret, name="pair_matmul")
+                 prefetch=prefetch, asm=asm, interpret=interpret, name="pair_matmul", span=span)

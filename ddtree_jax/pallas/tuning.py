@@ -54,6 +54,9 @@ class KernelTuning:
   # the SM count (`moe_decode.fill_span`, load width at most the launch's); False: the launch's
   # width per program
   moe_decode_fill: bool = True
+  # the same for the down kernel's H columns, loads at most this wide (0: moe_pair_blocks' as
+  # they are)
+  moe_down_fill_width: int = 128
   # the decode router (`moe_glue.router_partials`): (slices of H, experts per program, H rows
   # per K step, warps); 0 slices: XLA's router
   moe_router_launch: tuple[int, int, int, int] = (8, 32, 64, 4)
