@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from experiments.perf import kimi_paper
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,18 +27,35 @@ def read_rows(path):
   return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def assert_floored(rows, prefix=""):
+  """Each row carries its floors, at the measured bandwidth and at the spec's (None on a CPU),
+  and none is below its floor (a run with one would have failed)."""
+  for r in rows:
+    assert r[prefix + "floor_ms"] > 0 and r[prefix + "below_floor"] is False, r
+    assert r[prefix + "ratio_to_floor"] >= 1 and r[prefix + "ratio_to_spec_floor"] is None, r
+
+
+def assert_bandwidth_row(row):
+  """The floors' bandwidth row: the best of the probes this run measured."""
+  assert row["section"] == "bandwidth" and row["spec_GBps"] is None and row["device"] == "cpu"
+  assert row["bandwidth_GBps"] == max(row["probes_GBps"].values()) > 0
+
+
 def test_bench_step_small_rows(tmp_path):
   """AR and chain / DDTree rows with their round (slope) and per-call cost, the int8 drafter
   over a draft vocabulary, stage times of one run."""
   out = tmp_path / "step.jsonl"
-  run_script("bench_step", "--small", "--sections=copy,ar,spec", "--batches=1",
+  _, text = run_script("bench_step", "--small", "--sections=copy,ar,spec", "--batches=1",
              "--prefixes=64", "--spec_prefixes=64", "--budgets=chain,8", "--stage_runs=8",
              "--steps=4", "--marginal_steps=8", "--repeats=1", "--drafters=int8:v256",
              "--attention=xla", f"--json_out={out}")
   rows = read_rows(out)
-  assert [r["section"] for r in rows] == ["copy", "ar", "spec", "spec"]
+  assert [r["section"] for r in rows] == ["bandwidth", "ar", "spec", "spec"]  # copy: its old name
+  assert_bandwidth_row(rows[0])
   ar, chain, tree = rows[1:]
-  assert ar["floor_ms"] > 0 and {"round_ms", "per_call_ms"} <= set(ar)  # (noisy on CPU)
+  assert_floored([ar])
+  assert {"round_ms", "per_call_ms"} <= set(ar)  # (noisy on CPU)
+  assert "floor bandwidth " in text and "x spec" in text
   assert (chain["method"], tree["method"], tree["budget"]) == ("chain", "ddtree", 8)
   assert tree["drafter"] == "int8:v256" and "vs_ar_round" in tree
   assert "verify_ms" in tree and "verify_ms" not in chain  # --stage_runs=8 only
@@ -52,12 +71,18 @@ def test_bench_gdn_and_a_hybrid_step_small_rows(tmp_path):
   weights and the state in and out), and a hybrid shape's AR step against a floor that counts
   the states."""
   out = tmp_path / "gdn.jsonl"
-  run_script("bench_gdn", "--small", "--budgets=0,8", "--batches=1", "--repeats=1",
-             f"--json_out={out}")
-  rows = read_rows(out)
+  # At these widths a layer sits in the CPU's caches, within noise of a floor at the CPU's probed
+  # bandwidth: a given one far above it (floors near 0: a slope <= 0 still fails), and a slope
+  # over 32 layers, medians of 3, that a loaded CPU does not push under it
+  run_script("bench_gdn", "--small", "--budgets=0,8", "--batches=1", "--repeats=3", "--stack=32",
+             "--floor_bandwidth=1e14", f"--json_out={out}")
+  bandwidth, *rows = read_rows(out)
+  assert (bandwidth["section"], bandwidth["bandwidth_GBps"]) == ("bandwidth", 1e5)
+  assert bandwidth["probes_GBps"] == {}  # given: no probes
   assert [(r["budget"], r["nodes"], r["rule"]) for r in rows] == [
       (0, 1, "xla"), (0, 1, "pallas"), (8, 9, "xla"), (8, 9, "pallas")]
-  assert all(r["floor_ms"] > 0 and r["layers"] == 3 for r in rows)
+  assert all(r["layers"] == 3 for r in rows)
+  assert_floored(rows)
   code, text = run_script("bench_gdn", "--small", "--shape=qwen3-8b", ok=False)
   assert code != 0 and "no Gated DeltaNet layers" in text
   code, text = run_script("bench_gdn", "--small", "--rules=xla,mosaic", ok=False)
@@ -67,7 +92,8 @@ def test_bench_gdn_and_a_hybrid_step_small_rows(tmp_path):
              "--prefixes=64", "--steps=4", "--repeats=1", "--attention=xla",
              f"--json_out={step}")
   (ar,) = [r for r in read_rows(step) if r["section"] == "ar"]
-  assert ar["shape"] == "qwen3.5-9b" and ar["floor_ms"] > 0
+  assert ar["shape"] == "qwen3.5-9b"
+  assert_floored([ar])
 
 
 def test_bench_moe_small_rows_and_plot(tmp_path):
@@ -78,26 +104,43 @@ def test_bench_moe_small_rows_and_plot(tmp_path):
              "--impls=xla,pairs:16x16x16", "--verify_tokens=3", "--loop_runs=1:ar,4",
              "--compile_threads=2", f"--json_out={out}")
   rows = read_rows(out)
-  assert [r["section"] for r in rows] == ["copy", "verify"] + ["experts"] * 4 + ["loop"] * 2
+  assert [r["section"] for r in rows] == ["bandwidth", "verify"] + ["experts"] * 4 + ["loop"] * 2
+  assert_bandwidth_row(rows[0])
+  assert_floored(rows[1:6])
   ar, tree = rows[-2:]
   assert (ar["run"], ar["verify_tokens"], tree["run"], tree["verify_tokens"]) == ("ar", 1, "4", 5)
   assert 1 <= ar["distinct_per_layer"] <= tree["distinct_per_layer"]
-  assert tree["target_floor_ms"] > 0 and tree["step_ms"] > 0
+  assert_floored([ar, tree], prefix="target_")
+  assert tree["step_ms"] > 0
   png = tmp_path / "moe.png"
   run_script("plot_moe", f"--rows={out}", f"--out={png}")
   assert png.stat().st_size > 1000
 
 
-def test_kimi_paper_extrapolates_the_slice_rows():
-  """The Kimi-K2 slice's 4- and 2-layer forwards give one row per T, AR first (x AR 1); the
+def test_kimi_paper_extrapolates_the_slice_rows(tmp_path):
+  """The Kimi-K2 slice's 4- and 2-layer forwards give one row per T, AR first (x AR 1), at the
+  rows' bandwidth row where they have one (and refused with a row below its floor); the
   busiest device's share of d random experts is d when one device holds all, the whole layer's
   48 when all 384 are touched, at least d / 8 otherwise."""
   rows = os.path.join(REPO, "experiments/results/mla-2026-12-02/kimi.jsonl")
+  measured = tmp_path / "kimi.jsonl"
+  head = {"section": "bandwidth", "bandwidth_GBps": 4300.0, "spec_GBps": 4800.0}
+  measured.write_text(json.dumps(head) + "\n" + open(rows).read())
+  _, text = run_script("kimi_paper", f"--rows={measured}")
+  assert "floors at 4300 GB/s, the rows' bandwidth row; spec 4800 GB/s" in text
+  first = next(l.split() for l in text.splitlines() if l.split()[:1] == ["1"])
+  assert float(first[4]) == pytest.approx(float(first[3]) * 4800 / 4300, abs=0.01)  # x spec
+  below = dict(json.loads(open(rows).readline()), below_floor=True, ratio_to_floor=0.9)
+  measured.write_text(json.dumps(below) + "\n" + open(rows).read())
+  code, text = run_script("kimi_paper", f"--rows={measured}", ok=False)
+  assert code == 1 and "BELOW FLOOR" in text
   _, text = run_script("kimi_paper", f"--rows={rows}")
+  assert "--bandwidth (the rows have no bandwidth row)" in text  # rows of before floors.py
   lines = [l.split() for l in text.splitlines() if l.strip() and l.split()[0].isdigit()]
   assert [int(l[0]) for l in lines] == [1, 9, 17, 33, 65]
-  assert lines[0][5] == "1.00" and lines[0][8] == "1.00"
-  assert all(float(l[7]) < float(l[4]) for l in lines)  # 8 GPUs beat one at every T
+  assert all(l[4] == "-" for l in lines)  # x spec: no spec bandwidth in those rows
+  assert lines[0][6] == "1.00" and lines[0][9] == "1.00"
+  assert all(float(l[8]) < float(l[5]) for l in lines)  # 8 GPUs beat one at every T
   assert kimi_paper.busiest_share(5, 384, 1, draws=10) == 5
   assert kimi_paper.busiest_share(384, 384, 8, draws=10) == 48
   assert 40 / 8 <= kimi_paper.busiest_share(40, 384, 8, draws=200) < 40
@@ -110,8 +153,10 @@ def test_bench_kimi_share_small_rows(tmp_path):
   _, text = run_script("bench_kimi_share", "--small", "--attention=xla", "--batches=1",
                        f"--json_out={out}")
   rows = read_rows(out)
-  assert [r["section"] for r in rows] == ["copy"] + ["share"] * 4 + ["fit"] * 2 + ["paper"] * 2
+  assert [r["section"] for r in rows] == ["bandwidth"] + ["share"] * 4 + ["fit"] * 2 + ["paper"] * 2
+  assert_bandwidth_row(rows[0])
   share = rows[1:5]
+  assert_floored(share)
   assert [(r["layers"], r["run"]) for r in share] == [(2, "ar"), (2, "B=8"), (3, "ar"),
                                                       (3, "B=8")]
   for r in share:  # 3 of the tiny shape's 24 experts held, top-8
@@ -138,6 +183,7 @@ def test_profile_step_small_and_its_overrides():
 def test_attention_scripts_smoke(tmp_path):
   _, text = run_script("bench_attention", "--smoke")
   assert "median xla/pallas time ratio" in text
+  assert "floor bandwidth " in text and "median pallas time / its floor" in text
   out = tmp_path / "sweep.jsonl"
   run_script("sweep_attention", "--smoke", f"--json_out={out}")
   rows = read_rows(out)

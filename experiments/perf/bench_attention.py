@@ -2,9 +2,11 @@
 
 Qwen3-8B-shaped attention (Hq=32, Hkv=8, D=128, bf16) over a cached prefix plus a tree of T new
 tokens with a random ancestor mask. For every (batch, prefix, T) cell it prints the median time per
-call, the bytes of K/V that must be read (valid prefix K+V plus new K/V), the achieved bandwidth and
-its ratio to a device-copy bandwidth measured in the same run, and the same attention through
-attend_xla and through jax.nn.dot_product_attention (dense [T, S+T] mask; 'xla' and 'cudnn').
+call, the bytes of K/V that must be read (valid prefix K+V plus new K/V), the achieved bandwidth,
+the Pallas time over the floor of those bytes ('x floor': at the floors' bandwidth,
+`floors.measure`, or --floor_bandwidth given; 'x spec': at the card's spec bandwidth), and the
+same attention through attend_xla and through jax.nn.dot_product_attention (dense [T, S+T] mask;
+'xla' and 'cudnn').
 
 Timing: each implementation runs n times (n static, sized so a round takes ~10 ms) inside one
 jitted lax.fori_loop whose carry is the query (q <- output), so calls are serialised on the device,
@@ -12,9 +14,8 @@ nothing can be hoisted, and there is no per-call host dispatch (as inside the en
 loop). The time is the median over rounds, divided by n.
 The dense baselines get their inputs pre-arranged outside the loop ([B, S+T, Hkv, D] keys, a dense
 mask): the time is the attention alone, a best case for them. The 'err' column is the max abs
-difference of the Pallas output vs attend_xla after one call ('n/a' without xla). The copy
-bandwidth is XLA's x+1 over a 1 GiB bf16 array; it can sit below what a cudaMemcpy reaches, so
-'%copy' above 100 is possible.
+difference of the Pallas output vs attend_xla after one call ('n/a' without xla). A Pallas time
+under its floor ('< floor!') fails the run (`floors.check`).
 
   python -m experiments.perf.bench_attention          # full grid on a GPU (a few minutes, H200)
   python -m experiments.perf.bench_attention --smoke  # tiny shapes, interpret mode on CPU
@@ -35,11 +36,11 @@ import jax.numpy as jnp
 from ddtree_jax.models.attention import attend_xla
 from ddtree_jax.pallas.tree_attention import attention_config, tree_attention
 from ddtree_jax import engine
-from experiments.perf import common_flags, harness
+from experiments.perf import common_flags, floors, harness
 
 warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
 
-common_flags.define("smoke", "round_ms", "rounds")
+common_flags.define("smoke", "round_ms", "rounds", "floor_bandwidth")
 flags.DEFINE_string("prefixes", "1024,4096,16384,32768", "prefix lengths")
 flags.DEFINE_string("tokens", "16,32,64,128,256", "tree tokens T")
 flags.DEFINE_string("batches", "1,8", "batch sizes")
@@ -49,7 +50,6 @@ flags.DEFINE_integer("head_dim", 128, "head dim")
 flags.DEFINE_integer("capacity_slack", 0, "cache capacity S = prefix + slack (attend_xla and "
                      "the dense baselines pay for S, Pallas not)")
 flags.DEFINE_string("impls", "pallas,xla,dpa_xla,dpa_cudnn", "implementations timed")
-flags.DEFINE_integer("copy_mib", 1024, "size of the copy-bandwidth array")
 flags.DEFINE_integer("block_k", None, "tree_attention launch parameter (default: the rule's)")
 flags.DEFINE_integer("block_rows", None, "tree_attention launch parameter")
 flags.DEFINE_integer("num_splits", None, "tree_attention launch parameter")
@@ -57,14 +57,7 @@ flags.DEFINE_integer("num_warps", None, "tree_attention launch parameter")
 flags.DEFINE_integer("num_stages", None, "tree_attention launch parameter")
 
 SMOKE = dict(prefixes="64", tokens="4", batches="1", hq=4, hkv=2, head_dim=64, rounds=2,
-             round_ms=1.0, copy_mib=4, impls="pallas,xla,dpa_xla")
-
-
-def copy_bandwidth(mib, round_ms, rounds):
-  """Bytes/s of x -> x + 1 on a large bf16 array (bytes = read + write), n calls on device."""
-  x = jnp.zeros((mib * 2**20 // 2,), jnp.bfloat16)
-  sec, _ = harness.fori_seconds(lambda c: c + jnp.bfloat16(1), x, (), round_ms, rounds)
-  return 2 * x.nbytes / sec
+             round_ms=1.0, impls="pallas,xla,dpa_xla")
 
 
 def dense_inputs(k_cache, v_cache, prefix_len, k_new, v_new, mask):
@@ -96,8 +89,8 @@ def main(_):
   print(f"device: {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}, "
         f"interpret={interpret}")
   t_start = time.perf_counter()
-  copy_bw = copy_bandwidth(args.copy_mib, args.round_ms, args.rounds)
-  print(f"device copy bandwidth (x+1, read+write, {args.copy_mib} MiB): {copy_bw / 1e9:.0f} GB/s")
+  bw = floors.measure(args.smoke, args.floor_bandwidth)
+  print(bw.describe())
   d, hq, hkv = args.head_dim, args.hq, args.hkv
   scale = d ** -0.5
   kw = dict(block_k=args.block_k, block_rows=args.block_rows, num_splits=args.num_splits,
@@ -105,8 +98,8 @@ def main(_):
   rng = np.random.default_rng(0)
 
   header = (f"{'B':>2} {'prefix':>6} {'T':>4} {'KV MB':>7} | {'pallas us':>9} {'GB/s':>6} "
-            f"{'%copy':>5} | {'xla us':>8} {'x/pal':>5} | {'dpa_xla':>8} {'x/pal':>5} | "
-            f"{'cudnn us':>8} {'x/pal':>5} | {'err':>7} | splits,bt,bk")
+            f"{'x floor':>7} {'x spec':>6} | {'xla us':>8} {'x/pal':>5} | {'dpa_xla':>8} "
+            f"{'x/pal':>5} | {'cudnn us':>8} {'x/pal':>5} | {'err':>7} | splits,bt,bk")
   print(header)
   print("-" * len(header))
   rows = []
@@ -150,24 +143,29 @@ def main(_):
         gbs = None if pal is None else kv_bytes / pal / 1e9
         ratio = lambda k: None if (pal is None or res.get(k) is None) else res[k] / pal
         us = lambda k: None if res.get(k) is None else res[k] * 1e6
+        row = {"section": "attention", "batch": b, "prefix": prefix, "tokens": t}
+        if pal is not None:
+          floors.mark(row, pal * 1e3, kv_bytes, bw)
         print(f"{b:>2} {prefix:>6} {t:>4} {kv_bytes / 1e6:>7.1f} | {fmt(us('pallas'), '9.1f')} "
-              f"{fmt(gbs, '6.0f')} {fmt(None if gbs is None else 100 * gbs * 1e9 / copy_bw, '5.1f')}"
-              f" | {fmt(us('xla'), '8.1f')} {fmt(ratio('xla'), '5.2f')} | "
-              f"{fmt(us('dpa_xla'), '8.1f')} {fmt(ratio('dpa_xla'), '5.2f')} | "
+              f"{fmt(gbs, '6.0f')} {fmt(row.get('ratio_to_floor'), '7.2f')}"
+              f"{floors.x_spec(row, width=7)} | {fmt(us('xla'), '8.1f')} "
+              f"{fmt(ratio('xla'), '5.2f')} | {fmt(us('dpa_xla'), '8.1f')} "
+              f"{fmt(ratio('dpa_xla'), '5.2f')} | "
               f"{fmt(us('dpa_cudnn'), '8.1f')} {fmt(ratio('dpa_cudnn'), '5.2f')} | "
               f"{fmt(err, '7.1e')} | {args.num_splits or cfg['num_splits']},{cfg['block_t']},"
-              f"{args.block_k or cfg['block_k']}", flush=True)
-        rows.append((b, prefix, t, kv_bytes, res, err))
+              f"{args.block_k or cfg['block_k']}{floors.flag(row)}", flush=True)
+        rows.append((row, res))
         del cell, consts, steps, outs
   # Summary: medians of the ratios over the grid.
   for k in ("xla", "dpa_xla", "dpa_cudnn"):
-    rs = [r[4][k] / r[4]["pallas"] for r in rows if r[4].get(k) and r[4].get("pallas")]
+    rs = [res[k] / res["pallas"] for _, res in rows if res.get(k) and res.get("pallas")]
     if rs:
       print(f"median {k}/pallas time ratio over {len(rs)} cells: {statistics.median(rs):.2f}")
-  fr = [r[3] / r[4]["pallas"] / copy_bw for r in rows if r[4].get("pallas")]
+  fr = [row["ratio_to_floor"] for row, _ in rows if "ratio_to_floor" in row]
   if fr:
-    print(f"median pallas bandwidth / copy bandwidth: {statistics.median(fr):.2f}")
+    print(f"median pallas time / its floor: {statistics.median(fr):.2f}")
   print(f"total wall time {time.perf_counter() - t_start:.0f} s")
+  floors.check([row for row, _ in rows])
 
 
 if __name__ == "__main__":

@@ -8,14 +8,13 @@ hybrid shape's widths, against the bytes it must move (weights, state read and w
 --rules picks the tree's delta rule: xla (`gated_deltanet.tree`, XLA's kernels) and / or pallas
 (`pallas.delta_tree`, one launch), each row timed on both in one run.
 
-Prints one JSON row per (batch, budget) and a table; a tree here is a chain when B = 0 (AR) and
-otherwise a random tree of that many nodes (each node's parent drawn below it). A layer alone is
+Prints the floors' bandwidth (`floors.measure`, also a JSON row), one JSON row per (batch,
+budget) and a table; a tree here is a chain when B = 0 (AR) and otherwise a random tree of that
+many nodes (each node's parent drawn below it). A layer alone is
 too short to time by its call (the launch costs more than the layer), so one program applies it
 `--stack` times over (its output the next input, the committed state carried) and the layer's
 time is the slope between that and a program of one.
 """
-
-import json
 
 from absl import app, flags
 import jax
@@ -25,9 +24,9 @@ import numpy as np
 from ddtree_jax.kernels import Kernels, KernelTuning
 from ddtree_jax.models import gated_deltanet as gd
 from ddtree_jax.tools import profiling
-from experiments.perf import common_flags, harness
+from experiments.perf import common_flags, floors, harness
 
-common_flags.define("small", "repeats", "json_out", shape="qwen3.5-9b")
+common_flags.define("small", "repeats", "json_out", "floor_bandwidth", shape="qwen3.5-9b")
 flags.DEFINE_string("budgets", "0,16,32,64,128", "tree budgets (0: the root alone)")
 flags.DEFINE_string("batches", "1,8", "batch sizes")
 flags.DEFINE_string("rules", "xla,pallas", "the tree's delta rule: xla, pallas (comma list)")
@@ -53,9 +52,11 @@ def main(_):
   p = gd.init_params(d, h, jax.random.key(0), jnp.bfloat16)
   weights = sum(x.nbytes for x in jax.tree.leaves(p))
   state_bytes = d.value_heads * d.key_dim * d.value_dim * 4
-  bw = harness.copy_bandwidth(FLAGS.small)
+  bw = floors.measure(FLAGS.small, FLAGS.floor_bandwidth)
+  print(bw.describe(), flush=True)
   rng = np.random.default_rng(0)
   rows = []
+  common_flags.keep_row(rows, bw.row(), FLAGS.json_out)
 
   def stacked(k, rule):
     """k applications of the layer, each verifying the tree and committing its path."""
@@ -91,24 +92,23 @@ def main(_):
       count = jnp.full((b,), len(path), jnp.int32)
       args = (x, positions, visible, state, window, src, count)
       for name, (one, many) in programs.items():
+        for f in (one, many):  # a warm-up beyond median_seconds': on a CPU the first interpreted
+          jax.block_until_ready(f(*args))  # program's second call still takes ~1 s
         t1, tk = (profiling.median_seconds(f, *args, repeats=FLAGS.repeats) for f in (one, many))
         ms = (tk - t1) / (FLAGS.stack - 1) * 1e3
-        floor = (weights + 2 * b * state_bytes) / bw * 1e3
-        row = {"shape": FLAGS.shape, "rule": name, "batch": b, "budget": budget, "nodes": n,
-               "ms": ms, "floor_ms": floor, "ratio_to_floor": ms / floor,
-               "layers": len(cfg.recurrent_layers),
+        row = {"section": "layer", "shape": FLAGS.shape, "rule": name, "batch": b,
+               "budget": budget, "nodes": n, "ms": ms, "layers": len(cfg.recurrent_layers),
                "all_layers_ms": ms * len(cfg.recurrent_layers)}
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        if FLAGS.json_out:
-          with open(FLAGS.json_out, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        floors.mark(row, ms, weights + 2 * b * state_bytes, bw)
+        common_flags.keep_row(rows, row, FLAGS.json_out)
   print(f"\n== One Gated DeltaNet layer over a tree of B + 1 nodes ({FLAGS.shape}), then commit")
-  print(f"{'rule':>7}{'batch':>6}{'B':>6}{'ms':>10}{'floor ms':>10}{'ratio':>8}"
+  print(f"{'rule':>7}{'batch':>6}{'B':>6}{'ms':>10}{'floor ms':>10}{'ratio':>8}{'x spec':>8}"
         f"{'x layers ms':>13}")
-  for r in rows:
+  for r in (r for r in rows if r["section"] == "layer"):
     print(f"{r['rule']:>7}{r['batch']:>6}{r['budget']:>6}{r['ms']:>10.3f}{r['floor_ms']:>10.3f}"
-          f"{r['ratio_to_floor']:>8.2f}{r['all_layers_ms']:>13.3f}")
+          f"{r['ratio_to_floor']:>8.2f}{floors.x_spec(r)}{r['all_layers_ms']:>13.3f}"
+          f"{floors.flag(r)}")
+  floors.check(rows)
 
 
 if __name__ == "__main__":

@@ -32,8 +32,8 @@ with the engine's kernels (`Kernels(--attention)`: on pallas the int4 expert GEM
            the touched experts' int4 words and scales, the embedding rows looked up, the latent
            KV prefix; DDTree also the drafter's weights, the lm_head a second time (the draft's
            logits, a separate pass) and the drafter's KV prefix
-  floor    bytes over --bandwidth (0: this run's copy bandwidth, read + written, as METHOD.md
-           says: measure the ceiling on the machine; KINDS.md saw 4.3 TB/s on an H200)
+  floor    the bytes at the floors' bandwidth (`floors.measure`: the best of this run's read
+           and copy probes, or --floor_bandwidth given); x spec: at the card's spec bandwidth
 
 Compiling 61 unrolled layers is slow, so each row is measured at every --layers count (default 4
 and 8: the dense layer and 3 or 7 MoE layers, the same arrays cut) and fitted per row as step =
@@ -64,9 +64,10 @@ from ddtree_jax import engine
 from ddtree_jax.kernels import Kernels
 from ddtree_jax.models import decoder, moe
 from ddtree_jax.spec import decode
-from experiments.perf import common_flags, harness
+from experiments.perf import common_flags, floors, harness
 
-common_flags.define("small", "prefix", "json_out", compile_threads=10, repeats=3)
+common_flags.define("small", "prefix", "json_out", "floor_bandwidth", compile_threads=10,
+                    repeats=3)
 flags.DEFINE_string("layers", "4,8", "target layer counts measured (>= 2 of them; the step "
                     "is fitted as a + b * layers and extrapolated to --model_layers)")
 flags.DEFINE_integer("held_experts", 48, "routed experts per layer on this GPU (of 384)")
@@ -81,8 +82,6 @@ flags.DEFINE_integer("steps", 16, "decode steps a timed call runs")
 flags.DEFINE_integer("draft_layers", 6, "drafter layers (z-lab Kimi-K2.5-DFlash: 6)")
 flags.DEFINE_integer("draft_kv_heads", 8, "drafter kv heads of 128 (64 query heads)")
 flags.DEFINE_integer("draft_taps", 6, "target layers the drafter taps (its fc reads taps x 7168)")
-flags.DEFINE_float("bandwidth", 0.0, "HBM bytes per second of the floors; 0: this run's copy "
-                   "bandwidth")
 flags.DEFINE_integer("model_layers", harness.KIMI_LAYERS, "the whole model's layers")
 flags.DEFINE_integer("gpus", 8, "GPUs of the deployment (experts split evenly)")
 flags.DEFINE_float("allreduce_busbw_GBps", 450.0, "assumed NVLink all-reduce bus bandwidth per "
@@ -100,8 +99,9 @@ flags.DEFINE_string("tau_assumed", "32:6.8,64:7.2", "assumed tokens per step (no
 engine.define_compilation_cache_flags()
 FLAGS = flags.FLAGS
 
-# --small: flags left at their defaults take these (a few seconds' worth of programs on a CPU)
-SMALL = dict(layers="2,3", runs="ar,8", batches="1,2", steps=4, repeats=1, draft_layers=2)
+# --small: flags left at their defaults take these (a few seconds' worth of programs on a CPU;
+# medians of 3 calls: one call's outlier would send a fitted 61-layer step under its floor)
+SMALL = dict(layers="2,3", runs="ar,8", batches="1,2", steps=4, repeats=3, draft_layers=2)
 # --small's XLA: the CPU compiler at its lowest optimization (the smoke run's time is its
 # compiles, and its timings mean nothing anyway)
 SMALL_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
@@ -278,9 +278,9 @@ def main(_):
         f"{cfg.num_experts} held; one expert {parts.expert / 1e6:.2f} MB), at "
         f"{args.model_layers} layers {whole / 1e9:.1f} GB; drafter {parts.drafter / 1e9:.2f} GB "
         f"({dcfg.layers.num_layers} layers, taps {dcfg.target_layer_ids})", flush=True)
-  copy = harness.copy_bandwidth(small)
-  bw = args.bandwidth or copy
-  emit({"section": "copy", "bandwidth_GBps": copy / 1e9, "floor_GBps": bw / 1e9})
+  bw = floors.measure(small, args.floor_bandwidth)
+  print(bw.describe(), flush=True)
+  emit(bw.row())
 
   kern = Kernels(args.attention)
   routed = {}  # rows -> this GPU's experts per MoE layer (by every measured layer's router)
@@ -311,15 +311,15 @@ def main(_):
       row.update(step_ms=s * 1e3, experts_router=routed[b * t],
                  experts_uniform=uniform_experts(b * t, cfg.num_experts,
                                                  cfg.num_experts_per_tok, held),
-                 bytes_GB=nbytes / 1e9, floor_ms=nbytes / bw * 1e3,
-                 ratio_to_floor=s / (nbytes / bw), compile_s=secs)
-      emit(row)
+                 bytes_GB=nbytes / 1e9, compile_s=secs)
+      emit(floors.mark(row, s * 1e3, nbytes, bw))
     print(f"batch {b} done at {time.perf_counter() - t_start:.0f} s", flush=True)
 
   fits = fit_rows(counts, parts, args, bw)
   paper_rows(fits, cfg, args, bw, parts, tau)
   print_tables(counts, args, bw, cfg.hidden_size)
   print(f"\nwall {time.perf_counter() - t_start:.0f} s", flush=True)
+  floors.check(ROWS)
 
 
 def fit_rows(counts, parts, args, bw):
@@ -340,9 +340,8 @@ def fit_rows(counts, parts, args, bw):
       step = a + per_layer * n
       row = {"section": "fit", "run": last["run"], "budget": budget, "batch": b,
              "rows": last["rows"], "a_ms": a, "per_layer_ms": per_layer, "layers": n,
-             "step_ms": step, "experts_router": experts, "bytes_GB": nbytes / 1e9,
-             "floor_ms": nbytes / bw * 1e3, "ratio_to_floor": step / (nbytes / bw * 1e3)}
-      emit(row)
+             "step_ms": step, "experts_router": experts, "bytes_GB": nbytes / 1e9}
+      emit(floors.mark(row, step, nbytes, bw))
       fits.append(row)
   return fits
 
@@ -358,7 +357,7 @@ def paper_rows(fits, cfg, args, bw, parts, tau):
            + 2 * (g - 1) / g * message / (args.allreduce_busbw_GBps * 1e9))
     comm_ms = moe_layers * args.collectives_per_layer * one * 1e3
     excess = busiest_excess(rows, cfg.num_experts, cfg.num_experts_per_tok, g)
-    busiest_ms = moe_layers * excess * parts.expert / bw * 1e3
+    busiest_ms = moe_layers * bw.floor_ms(excess * parts.expert)
     step = f["step_ms"] + comm_ms + busiest_ms
     lo, hi, assumed = (1.0, 1.0, False) if budget == 0 else tau.get(budget, (None, None, True))
     row = {"section": "paper", "run": f["run"], "budget": budget, "batch": b, "rows": rows,
@@ -371,12 +370,12 @@ def paper_rows(fits, cfg, args, bw, parts, tau):
 
 def print_tables(counts, args, bw, hidden):
   print(f"\n== One GPU's share of Kimi K2.6 ({args.experts_format} experts), measured: decode "
-        f"step (median) vs the bytes it reads at {bw / 1e9:.0f} GB/s; {args.attention} "
+        f"step (median) vs the bytes it reads at {bw.bytes_per_s / 1e9:.0f} GB/s; {args.attention} "
         f"kernels, prefix {args.prefix}, {args.steps} steps a call")
   print("experts: distinct of this GPU's experts per MoE layer, by the model's routers on random "
         "rows (bytes use these) | the uniform-routing expectation")
   print(f"{'layers':>6} {'run':<6}{'batch':>6}{'rows':>6}{'step ms':>10}{'router':>8}"
-        f"{'uniform':>8}{'GB':>8}{'floor ms':>10}{'x floor':>8}{'compile s':>10}")
+        f"{'uniform':>8}{'GB':>8}{'floor ms':>10}{'x floor':>8}{'x spec':>8}{'compile s':>10}")
   for r in ROWS:
     if r["section"] != "share":
       continue
@@ -386,19 +385,19 @@ def print_tables(counts, args, bw, hidden):
       continue
     print(f"{head}{r['step_ms']:>10.3f}{r['experts_router']:>8.1f}{r['experts_uniform']:>8.1f}"
           f"{r['bytes_GB']:>8.2f}{r['floor_ms']:>10.3f}{r['ratio_to_floor']:>8.2f}"
-          f"{r['compile_s']:>10.1f}")
+          f"{floors.x_spec(r)}{r['compile_s']:>10.1f}{floors.flag(r)}")
   fits = [r for r in ROWS if r["section"] == "fit"]
   n = args.model_layers
   print(f"\n== The share at {n} layers, extrapolated: each row fitted as step = a + b * layers "
         f"over layers {','.join(map(str, counts))} (measured, not {n} compiled), bytes counted "
         f"at {n}")
   print(f"{'run':<6}{'batch':>6}{'rows':>6}{'a ms':>9}{'b ms/layer':>12}{f'{n}-layer ms':>13}"
-        f"{'GB':>8}{'floor ms':>10}{'x floor':>8}")
+        f"{'GB':>8}{'floor ms':>10}{'x floor':>8}{'x spec':>8}")
   for r in fits:
     print(f"{r['run']:<6}{r['batch']:>6}{r['rows']:>6}{r['a_ms']:>9.3f}{r['per_layer_ms']:>12.3f}"
           f"{r['step_ms']:>13.2f}{r['bytes_GB']:>8.2f}{r['floor_ms']:>10.2f}"
-          f"{r['ratio_to_floor']:>8.2f}" + ("  (slope <= 0: noise; raise --steps, --repeats)"
-                                           if r["per_layer_ms"] <= 0 else ""))
+          f"{r['ratio_to_floor']:>8.2f}{floors.x_spec(r)}{floors.flag(r)}"
+          + ("  (slope <= 0: noise; raise --steps, --repeats)" if r["per_layer_ms"] <= 0 else ""))
   paper = [r for r in ROWS if r["section"] == "paper"]
   print(f"\n== On paper: Kimi K2.6 on {args.gpus} GPUs, experts split {args.gpus} ways, attention "
         "replicated")

@@ -5,9 +5,10 @@ R = 64 per token, one row for every head, bf16): N heads of absorbed queries [B,
 over a cached prefix plus a tree of T new rows under a random ancestor mask. For each (heads,
 prefix, T) cell: the median time per call of `mla.attend_latent` (XLA) and of
 `pallas.latent_attention` under each --pallas launch (splits and blocks as KernelTuning), the
-latent bytes a call must read, the bandwidth reached, the ratio to the floor at
---floor_bandwidth, and the max difference of the outputs. Timing as bench_attention: n calls
-chained in one jitted fori_loop (harness.fori_seconds).
+latent bytes a call must read, the bandwidth reached, the ratio to the floor at the floors'
+bandwidth (`floors.measure`, or --floor_bandwidth given) and at the card's spec bandwidth (x
+spec; row keys prefixed by the impl's name), and the max difference of the outputs. Timing as
+bench_attention: n calls chained in one jitted fori_loop (harness.fori_seconds).
 
   python -m experiments.perf.bench_latent           # one H200 (~1 min)
   python -m experiments.perf.bench_latent --smoke   # tiny shapes, interpret mode on CPU
@@ -15,7 +16,6 @@ chained in one jitted fori_loop (harness.fori_seconds).
 
 from __future__ import annotations
 
-import json
 import warnings
 
 from absl import app, flags
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from ddtree_jax import engine
 from ddtree_jax.models import mla
 from ddtree_jax.kernels import Kernels
-from experiments.perf import common_flags, harness
+from experiments.perf import common_flags, floors, harness
 
 warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
 
@@ -57,8 +57,12 @@ def main(_):
   rng = np.random.default_rng(0)
   print(f"devices {jax.devices()}  C {c}  R {r}  batch {b}; pallas:SPLIT_ROWSxMAX_SPLITS"
         f"[:BLOCK_QxBLOCK_KxWARPSxSTAGES]")
+  bw = floors.measure(a.smoke, a.floor_bandwidth)
+  print(bw.describe(), flush=True)
+  rows = []
+  common_flags.keep_row(rows, bw.row(), a.json_out, echo=False)
   print(f"{'N':>4} {'prefix':>6} {'T':>4} {'MB':>7} {'impl':>28} {'us':>8} {'GB/s':>6} "
-        f"{'x floor':>7} {'xla/this':>8} {'max diff':>9}", flush=True)
+        f"{'x floor':>7} {'x spec':>7} {'xla/this':>8} {'max diff':>9}", flush=True)
   for n in harness.ints(a.heads):
     for prefix in harness.ints(a.prefixes):
       for t in harness.ints(a.tokens):
@@ -69,7 +73,8 @@ def main(_):
         lens = jnp.full((b,), prefix, jnp.int32)
         mask = jnp.asarray(harness.random_tree_mask(rng, b, t))
         nbytes = b * (prefix + t) * (c + r) * 2 + 2 * q.nbytes
-        row = {"heads": n, "prefix": prefix, "tokens": t, "batch": b, "bytes": nbytes}
+        row = {"section": "latent", "heads": n, "prefix": prefix, "tokens": t, "batch": b,
+               "bytes": nbytes}
         outs = {}
         for name, fn in impls.items():
           def step(q, cache, lens, new, mask, fn=fn):
@@ -90,14 +95,15 @@ def main(_):
           if us is None:
             print(f"{head} {'fails':>8}  [{row[f'{name}_error']}]", flush=True)
             continue
+          floors.mark(row, us * 1e-3, nbytes, bw, prefix=f"{name}_")
           ratio = f"{row['xla_us'] / us:>8.2f}" if "xla_us" in row else f"{'':>8}"
           diff = row.get(f"{name}_max_diff")
           print(f"{head} {us:>8.1f} {nbytes / us / 1e3:>6.0f} "
-                f"{us * 1e-6 * a.floor_bandwidth / nbytes:>7.2f} {ratio} "
-                f"{'' if diff is None else f'{diff:.1e}':>9}", flush=True)
-        if a.json_out:
-          with open(a.json_out, "a") as f:
-            f.write(json.dumps(row) + "\n")
+                f"{row[f'{name}_ratio_to_floor']:>7.2f}{floors.x_spec(row, f'{name}_')} {ratio} "
+                f"{'' if diff is None else f'{diff:.1e}':>9}{floors.flag(row, f'{name}_')}",
+                flush=True)
+        common_flags.keep_row(rows, row, a.json_out, echo=False)
+  floors.check(rows)
 
 
 if __name__ == "__main__":

@@ -9,8 +9,9 @@ DFlash drafter (built only for the loop section), prefix 1K.
   python -m experiments.perf.bench_moe             # one H200
   python -m experiments.perf.bench_moe --small     # tiny shapes on CPU (smoke)
 
-Sections, in one run (rows printed as JSON lines as they are measured, tables at the end):
-  copy     the copy bandwidth
+Sections, in one run (rows printed as JSON lines as they are measured, tables at the end),
+after the floors' bandwidth row (`floors.measure`; written by every run, and alone by
+--sections=bandwidth, whose old name copy still works):
   verify   the whole target forward of T tokens (embedding, every layer, lm_head on every row)
            over the prefix under a random tree mask, Pallas kernels: T = 1 is the AR forward;
            --verify_layers also times the target cut to its first N layers (the same arrays),
@@ -23,10 +24,12 @@ Sections, in one run (rows printed as JSON lines as they are measured, tables at
            budget at each batch, with the distinct experts the verify of B + 1 random tokens
            routes to per layer (the batch's union)
 
-Floors are the bytes a step must read at --floor_bandwidth: attention weights, routers, the
-lm_head, the KV prefix and, per layer, the distinct experts the step's rows route to (counted in
-the same run, from the same inputs' routing). Random weights route near uniformly; a trained
-router concentrates more, so real trees touch fewer experts.
+Floors are the bytes a step must read at the floors' bandwidth (and at the card's spec
+bandwidth: the x spec columns): attention weights, routers, the lm_head, the KV prefix and, per
+layer, the distinct experts the step's rows route to (counted in the same run, from the same
+inputs' routing). Random weights route near uniformly; a trained
+router concentrates more, so real trees touch fewer experts. A loop row's floor is its target
+forward's (`target_` keys: the drafter's bytes not counted).
 """
 
 import dataclasses
@@ -43,8 +46,8 @@ from ddtree_jax.spec import decode
 from ddtree_jax.models import decoder
 from ddtree_jax.models import moe
 from ddtree_jax.kernels import KernelTuning, Kernels
-from ddtree_jax.pallas import moe_decode, moe_ops
-from experiments.perf import common_flags, harness
+from ddtree_jax.pallas import moe_ops
+from experiments.perf import common_flags, floors, harness
 
 common_flags.define("small", "prefix", "repeats", "compile_threads", "floor_bandwidth",
                     "json_out")
@@ -55,19 +58,20 @@ flags.DEFINE_string("latent", "default", "MLA shapes' latent attention: default 
                     "MAX_SPLITS[:BLOCK_QxBLOCK_KxWARPSxSTAGES] (harness.latent_tuning)")
 flags.DEFINE_string("shape", "qwen3-30b-a3b", "target shape: qwen3-30b-a3b, moonlight-16b-a3b or "
                     "kimi-k2-slice (DeepSeek-V3 architecture: latent attention, shared experts)")
-flags.DEFINE_string("sections", "copy,experts,verify,loop", "comma list of: copy, experts, "
-                    "verify, loop")
+flags.DEFINE_string("sections", "experts,verify,loop", "comma list of: experts, verify, loop "
+                    "(the bandwidth row comes first whatever it says)")
 flags.DEFINE_string("tokens", "1,17,65,2048", "experts section: token rows T")
 flags.DEFINE_string("impls", "xla,pallas:16x64x128,pallas:16x128x64,pallas:64x128x64",
                     "experts section: xla (ragged_dot), pallas (KernelTuning's rule), "
                     "pallas:BMxBNxBK (fixed tiles), pairs (pair by pair, one tile each), "
-                    "pairs:BMxBNxBK, xla_pairs (XLA's pair form), decode (the decode kernels, "
-                    "routed inside the gate/up kernel: KernelTuning.moe_decode_launch), "
-                    "decode:GUxBKxWARPS, "
+                    "pairs:BMxBNxBK, xla_pairs (XLA's pair form), decode (the decode kernels "
+                    "as Kernels.moe runs them: the router kernel, then routed inside the gate/up "
+                    "kernel), decode:VARIANT (a --moe_decode variant), "
                     "dense (every expert; T <= 65 only)")
 flags.DEFINE_string("moe_decode", "default", "loop section: the MoE decode kernels, each of "
                     "this comma list in turn: default (KernelTuning's), off (the pair kernels "
-                    "instead), or a launch GUxBKxWARPS")
+                    "instead), a launch GUxBKxWARPS, or KEY=VALUE pairs joined by '+' "
+                    "(decode_variant: launch, fill, down_fill, down, router)")
 flags.DEFINE_string("verify_tokens", "1,9,17,33,65", "verify section: tokens T (batch 1)")
 flags.DEFINE_string("verify_layers", "", "verify section: also the target cut to its first N "
                     "layers, for each N of this comma list ('' = all layers only)")
@@ -94,12 +98,10 @@ def emit(row):
 def experts_impl(name: str, tuning: KernelTuning, routing: moe.Routing):
   """A MoE layer (params, x) -> [R, H], router included, by --impls name."""
   kind, _, blocks = name.partition(":")
+  if kind == "decode":  # the decode kernels as Kernels runs them, at a --moe_decode variant
+    layer = Kernels("pallas", tuning=decode_variant(blocks or "default", tuning)).moe
+    return lambda p, x: layer(p, x, routing=routing)
   blocks = tuple(int(v) for v in blocks.split("x")) if blocks else None
-  if kind == "decode":
-    gate_up, block_k, warps = blocks or tuning.moe_decode_launch
-    return lambda p, x: moe_decode.moe_decode(p, x, routing, gate_up_block=gate_up,
-                                              block_k=block_k, num_warps=warps,
-                                              down_blocks=tuning.moe_pair_blocks)
   if kind == "xla":
     fn = moe.grouped
   elif kind == "xla_pairs":  # each pair's expert gathered (a copy per pair)
@@ -115,16 +117,38 @@ def experts_impl(name: str, tuning: KernelTuning, routing: moe.Routing):
   return lambda p, x: fn(p, x, *moe.route(p, x, routing))
 
 
+DECODE_KEYS = {  # --moe_decode's KEY=VALUE: the KernelTuning fields of the decode path
+    "launch": ("moe_decode_launch", 3), "fill": ("moe_decode_fill", 1),
+    "down_fill": ("moe_down_fill_width", 1), "down": ("moe_pair_blocks", 3),
+    "router": ("moe_router_launch", 4)}
+
+
 def decode_variant(name: str, tuning: KernelTuning) -> KernelTuning:
-  """--moe_decode's variant of the tuning."""
+  """--moe_decode's variant of the tuning: default, off (the pair kernels, XLA's routing), a
+  launch GUxBKxWARPS, or KEY=VALUE pairs joined by '+' (DECODE_KEYS; values NxN..., e.g.
+  'fill=0+router=0x0x0x0')."""
   if name == "default":
     return tuning
   if name == "off":
     return dataclasses.replace(tuning, moe_decode_max=0, moe_decode_quant_max=0)
-  launch = tuple(int(v) for v in name.split("x"))
-  if len(launch) != 3:
-    raise app.UsageError(f"--moe_decode: {name!r} is not default, off or GUxBKxWARPS")
-  return dataclasses.replace(tuning, moe_decode_launch=launch, moe_decode_quant_launch=launch)
+  changes = {}
+  for part in name.split("+"):
+    key, eq, value = part.partition("=")
+    if not eq:
+      key, value = "launch", part
+    if key not in DECODE_KEYS:
+      raise app.UsageError(f"--moe_decode: {part!r}: keys are {sorted(DECODE_KEYS)}")
+    field, n = DECODE_KEYS[key]
+    try:
+      values = tuple(int(v) for v in value.split("x"))
+    except ValueError:
+      values = ()
+    if len(values) != n:
+      raise app.UsageError(f"--moe_decode: {part!r} needs {n} integer(s) joined by 'x'")
+    changes[field] = values if n > 1 else (bool(values[0]) if key == "fill" else values[0])
+    if key == "launch":
+      changes["moe_decode_quant_launch"] = values
+  return dataclasses.replace(tuning, **changes)
 
 
 def counting_kernels(base: Kernels, counts: list):
@@ -136,7 +160,14 @@ def counting_kernels(base: Kernels, counts: list):
     _, chosen = moe.route(params, x, routing)
     counts.append(moe.distinct_experts(chosen, params.router.shape[1]))
     return inner(params, x, routing=routing)
-  k.__dict__["moe"] = mixture  # Kernels.moe is a cached_property: this instance's value
+  fused = base.moe_residual
+
+  def block(params, x, h, shared, norm, *, routing, eps):
+    _, chosen = moe.route(params, h, routing)
+    counts.append(moe.distinct_experts(chosen, params.router.shape[1]))
+    return fused(params, x, h, shared, norm, routing=routing, eps=eps)
+  # Kernels' properties are cached: this instance's values
+  k.__dict__["moe"], k.__dict__["moe_residual"] = mixture, block
   return k
 
 
@@ -173,26 +204,27 @@ def main(_):
   k_top = tcfg.num_experts_per_tok
   expert_bytes = 3 * h * inter * layers[0].w_gate_up.dtype.itemsize
   router_bytes = sum(l.router.size * 4 for l in layers)
-  bw, prefix = FLAGS.floor_bandwidth, FLAGS.prefix
+  prefix = FLAGS.prefix
+  bw = floors.measure(small, FLAGS.floor_bandwidth)
+  print(bw.describe(), flush=True)
+  emit(bw.row())
 
-  def floor_ms(counts, b, p=tp, c=tcfg):
-    """Bytes a forward must read at bw: the non-expert weights (lm_head, not the embedding),
-    the distinct experts per layer `counts`, b prefixes of KV rows (the attention layers') and
-    a hybrid's b recurrent states read and written."""
+  def floor_bytes(counts, b, p=tp, c=tcfg):
+    """Bytes a forward must read, per device of the mesh (each byte read by one of them at
+    least): the non-expert weights (lm_head, not the embedding), the distinct experts per layer
+    `counts`, b prefixes of KV rows (the attention layers') and a hybrid's b recurrent states
+    read and written."""
     experts = sum(l.moe.w_gate_up.nbytes + l.moe.w_down.nbytes for l in p.layers if l.moe)
     heads, k_dim, v_dim = c.cache_layout
     kv = len(c.attention_layers) * heads * (k_dim + v_dim) * 2
     dense = decoder.param_bytes(p) - experts - p.embed.nbytes
     return (dense + int(np.sum(counts)) * expert_bytes
-            + b * (prefix * kv + harness.recurrent_bytes(c))) / bw * 1e3
+            + b * (prefix * kv + harness.recurrent_bytes(c))) / (1 if mesh is None else mesh.size)
 
   print(f"devices {jax.devices()}  target {decoder.param_bytes(tp) / 1e9:.2f} GB (routers "
         f"{router_bytes / 1e9:.3f}, floor of the non-expert weights and a 1-row prefix "
-        f"{floor_ms([], 1):.3f} ms)  expert {expert_bytes / 1e6:.2f} MB  drafter "
+        f"{bw.floor_ms(floor_bytes([], 1)):.3f} ms)  expert {expert_bytes / 1e6:.2f} MB  drafter "
         f"{decoder.param_bytes(dp) / 1e9 if dp else 0:.2f} GB", flush=True)
-  if "copy" in sections:
-    emit({"section": "copy", "bandwidth_GBps": harness.copy_bandwidth(small) / 1e9})
-
   def random_state(b, t, key, c=tcfg):
     rng = np.random.default_rng(key)
     cache = harness.random_cache(jax.random.key(key), c, b, prefix + t + 16, prefix)
@@ -223,10 +255,9 @@ def main(_):
         counts = routed(1, t, p=p, c=c)
         s = harness.profiling.median_seconds(verify_forward, c, p, *random_state(1, t, 0, c),
                                              repeats=FLAGS.repeats)
-        f = floor_ms(counts, 1, p, c)
-        emit({"section": "verify", "layers": n, "tokens": t,
-              "distinct_per_layer": float(counts.mean()), "ms": s * 1e3, "floor_ms": f,
-              "ratio_to_floor": s * 1e3 / f})
+        emit(floors.mark({"section": "verify", "layers": n, "tokens": t,
+                          "distinct_per_layer": float(counts.mean()), "ms": s * 1e3},
+                         s * 1e3, floor_bytes(counts, 1, p, c), bw))
 
   if "experts" in sections:
     def chain(layer):
@@ -251,7 +282,7 @@ def main(_):
     for t in harness.ints(FLAGS.tokens):
       x = jax.random.normal(jax.random.key(t), (t, h), jnp.bfloat16)
       counts = np.asarray(count_chain(layers, x))
-      floor = (router_bytes + int(counts.sum()) * expert_bytes) / bw * 1e3
+      nbytes = router_bytes + int(counts.sum()) * expert_bytes
       want = None
       for name in FLAGS.impls.split(","):
         if name == "dense" and t > 65:
@@ -265,10 +296,11 @@ def main(_):
           continue
         want = got if want is None else want  # the first impl's output is the yardstick
         delta = np.abs(got - x.astype(jnp.float32)), np.abs(want - x.astype(jnp.float32))
-        emit({"section": "experts", "impl": name, "tokens": t, "pairs": t * k_top,
-              "distinct_per_layer": float(counts.mean()), "ms": s * 1e3, "floor_ms": floor,
-              "ratio_to_floor": s * 1e3 / floor,
-              "max_rel_diff_vs_first": float(np.max(np.abs(got - want)) / np.max(delta[1]))})
+        emit(floors.mark({"section": "experts", "impl": name, "tokens": t, "pairs": t * k_top,
+                          "distinct_per_layer": float(counts.mean()), "ms": s * 1e3,
+                          "max_rel_diff_vs_first": float(np.max(np.abs(got - want))
+                                                         / np.max(delta[1]))},
+                         s * 1e3, nbytes, bw))
         del delta
 
   if "loop" in sections:
@@ -292,36 +324,40 @@ def main(_):
         counts = routed(b, t, key=t)
         s = harness.step_seconds(loop, case, FLAGS.repeats) * 1e3
         ar_ms = ar_ms or s
-        f = floor_ms(counts, b)
-        emit({"section": "loop", "run": run, "batch": b, "moe_decode": variant,
-              "verify_tokens": t, "distinct_per_layer": float(counts.mean()), "step_ms": s,
-              "vs_ar": s / ar_ms, "target_floor_ms": f, "ratio_to_floor": s / f,
-              "compile_s": compile_s})
+        emit(floors.mark({"section": "loop", "run": run, "batch": b, "moe_decode": variant,
+                          "verify_tokens": t, "distinct_per_layer": float(counts.mean()),
+                          "step_ms": s, "vs_ar": s / ar_ms, "compile_s": compile_s},
+                         s, floor_bytes(counts, b), bw, prefix="target_"))
   print_tables()
+  floors.check(ROWS)
 
 
 def print_tables():
   print("\n== MoE layers alone (router + experts, every layer) vs touched-experts floor")
-  print(f"{'impl':<20}{'T':>6}{'experts/layer':>15}{'ms':>9}{'floor ms':>10}{'ratio':>8}")
+  print(f"{'impl':<20}{'T':>6}{'experts/layer':>15}{'ms':>9}{'floor ms':>10}{'ratio':>8}"
+        f"{'x spec':>8}")
   for r in ROWS:
     if r["section"] == "experts" and "ms" in r:
       print(f"{r['impl']:<20}{r['tokens']:>6}{r['distinct_per_layer']:>15.1f}{r['ms']:>9.3f}"
-            f"{r['floor_ms']:>10.3f}{r['ratio_to_floor']:>8.2f}  (max diff vs first impl "
-            f"{r['max_rel_diff_vs_first']:.1e} of the update)")
+            f"{r['floor_ms']:>10.3f}{r['ratio_to_floor']:>8.2f}{floors.x_spec(r)}  (max diff vs "
+            f"first impl {r['max_rel_diff_vs_first']:.1e} of the update){floors.flag(r)}")
   print("\n== Target forward of T tokens (batch 1) vs touched-experts floor")
-  print(f"{'layers':>6}{'T':>6}{'experts/layer':>15}{'ms':>9}{'floor ms':>10}{'ratio':>8}")
+  print(f"{'layers':>6}{'T':>6}{'experts/layer':>15}{'ms':>9}{'floor ms':>10}{'ratio':>8}"
+        f"{'x spec':>8}")
   for r in ROWS:
     if r["section"] == "verify":
       print(f"{r['layers']:>6}{r['tokens']:>6}{r['distinct_per_layer']:>15.1f}{r['ms']:>9.3f}"
-            f"{r['floor_ms']:>10.3f}{r['ratio_to_floor']:>8.2f}")
-  print("\n== Decode loop step (AR, chain, DDTree by budget)")
+            f"{r['floor_ms']:>10.3f}{r['ratio_to_floor']:>8.2f}{floors.x_spec(r)}"
+            f"{floors.flag(r)}")
+  print("\n== Decode loop step (AR, chain, DDTree by budget) vs its target forward's floor")
   print(f"{'run':<7}{'batch':>6}{'moe decode':>12}{'T':>5}{'experts/layer':>15}{'step ms':>10}"
-        f"{'x AR':>7}{'floor ms':>10}{'ratio':>8}")
+        f"{'x AR':>7}{'floor ms':>10}{'ratio':>8}{'x spec':>8}")
   for r in ROWS:
     if r["section"] == "loop":
       print(f"{r['run']:<7}{r['batch']:>6}{r['moe_decode']:>12}{r['verify_tokens']:>5}"
             f"{r['distinct_per_layer']:>15.1f}{r['step_ms']:>10.3f}{r['vs_ar']:>7.2f}"
-            f"{r['target_floor_ms']:>10.3f}{r['ratio_to_floor']:>8.2f}")
+            f"{r['target_floor_ms']:>10.3f}{r['target_ratio_to_floor']:>8.2f}"
+            f"{floors.x_spec(r, 'target_')}{floors.flag(r, 'target_')}")
 
 
 if __name__ == "__main__":

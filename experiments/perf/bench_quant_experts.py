@@ -28,7 +28,9 @@ Each row is timed as `harness.fori_seconds` times a chained step (x <- x + 1e-3 
 small elementwise kernel beside the GEMMs) and checked on the device: the first --check_pairs
 pairs against a float32 reference from `quant.dequantize` (max abs error, and relative to the
 reference's max; bf16 rounding of the gate/up output bounds it near 1e-2). The floor is the bytes
-of the distinct experts the pairs touch (packed weights and scales) at --floor_bandwidth.
+of the distinct experts the pairs touch (packed weights and scales) at the floors' bandwidth
+(`floors.measure`, or --floor_bandwidth given), and x spec the same bytes at the card's spec
+bandwidth; --sweep's rows likewise, per kernel.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from ddtree_jax import engine
 from ddtree_jax.kernels import KernelTuning
 from ddtree_jax.models import decoder, moe, quant
 from ddtree_jax.pallas import grouped_gemm, moe_decode, moe_ops
-from experiments.perf import common_flags, harness
+from experiments.perf import common_flags, floors, harness
 
 common_flags.define("smoke", "rounds", "json_out", "floor_bandwidth", round_ms=20.0)
 flags.DEFINE_integer("experts", 384, "routed experts E")
@@ -161,7 +163,7 @@ def cases(fmt: str, t: int, args):
       raise app.UsageError(f"--paths: unknown {path!r}")
 
 
-def run_format(fmt: str, args, key):
+def run_format(fmt: str, args, key, bw: floors.Bandwidth):
   """Every row of one format (its stacks alive only here: one format on the device at a time)."""
   wgu, wd = make_stacks(fmt, args, key)
   expert_bytes = (decoder.param_bytes(wgu) + decoder.param_bytes(wd)) / args.experts
@@ -171,7 +173,6 @@ def run_format(fmt: str, args, key):
   for t in harness.ints(args.tokens):
     experts = route(t, args, seed=t)
     distinct = int(np.unique(np.asarray(experts)).size)
-    floor_us = distinct * expert_bytes / args.floor_bandwidth * 1e6
     x = (jax.random.normal(jax.random.fold_in(key, t), (t, args.hidden), jnp.float32)
          ).astype(jnp.bfloat16)
     pairs = min(args.check_pairs, t * k)
@@ -197,8 +198,8 @@ def run_format(fmt: str, args, key):
         fn = lambda x, wgu, wd, sizes, ops=ops: ops.down(ops.gate_up(x, wgu, sizes), wd, sizes)
         step = lambda x, wgu, wd, sizes, fn=fn: x + (1e-3 * fn(x, wgu, wd, sizes)).astype(x.dtype)
         carry, consts, rows = xs, (wgu, wd, sizes), where
-      row = dict(tokens=t, pairs=t * k, format=fmt, path=path, tiles=tiles, distinct=distinct,
-                 floor_us=floor_us)
+      row = dict(section="path", tokens=t, pairs=t * k, format=fmt, path=path, tiles=tiles,
+                 distinct=distinct)
       try:
         got = np.asarray(jax.jit(fn)(carry, *consts), np.float32)[rows]
         sec, _ = harness.fori_seconds(step, carry, consts, args.round_ms, args.rounds)
@@ -207,16 +208,17 @@ def run_format(fmt: str, args, key):
         continue
       ref = want.reshape(-1, k, want.shape[-1])[:len(rows)].sum(1) if kind == "decode" else want
       err = float(np.max(np.abs(got - ref)))
-      emit(args, dict(row, us=sec * 1e6, ratio=sec * 1e6 / floor_us, max_abs_err=err,
-                      rel_err=err / float(np.max(np.abs(ref)))))
+      row.update(us=sec * 1e6, max_abs_err=err, rel_err=err / float(np.max(np.abs(ref))))
+      emit(args, floors.mark(row, sec * 1e3, distinct * expert_bytes, bw))
 
 
-def sweep(args):
-  """Each pair kernel alone per launch variant: (format, T, op, variant) -> us, vs its floor."""
+def sweep(args, bw: floors.Bandwidth):
+  """Each pair kernel alone per launch variant: (format, T, op, variant) -> us, vs its floor (a
+  "sweep" row each, printed as a table line)."""
   from ddtree_jax.pallas import quant_gemm  # pylint: disable=import-outside-toplevel
   variants = [tuple(int(v) for v in text.split("x")) for text in args.sweep.split(",")]
   print(f"{'format':<6} {'T':>4} {'op':<8} {'BNxBKxWxSxSWxPFxA':<18} {'us':>8} {'floor us':>9} "
-        f"{'ratio':>6}")
+        f"{'ratio':>6} {'x spec':>6}")
   for n, fmt in enumerate(args.formats.split(",")):
     wgu, wd = make_stacks(fmt, args, jax.random.key(n))
     for t in harness.ints(args.tokens):
@@ -227,7 +229,7 @@ def sweep(args):
       ops = (("gate_up", x, wgu, dict(rows_per_lhs=args.top_k, swiglu=True)),
              ("down", a, wd, {}))
       for name, lhs, w, kw in ops:
-        floor_us = distinct * decoder.param_bytes(w) / args.experts / args.floor_bandwidth * 1e6
+        nbytes = distinct * decoder.param_bytes(w) / args.experts
         for variant in variants:
           bn, bk, warps, stages, swap, prefetch, asm = variant + (1,) * (7 - len(variant))
           label = "x".join(map(str, (bn, bk, warps, stages, swap, prefetch, asm)))
@@ -246,25 +248,29 @@ def sweep(args):
           except Exception as err:  # pylint: disable=broad-except
             print(f"{fmt:<6} {t:>4} {name:<8} {label}: {str(err)[:200]}")
             continue
-          us = sec * 1e6
-          print(f"{fmt:<6} {t:>4} {name:<8} {label:<18} {us:>8.1f} {floor_us:>9.1f} "
-                f"{us / floor_us:>6.2f}", flush=True)
+          r = floors.mark(dict(section="sweep", format=fmt, tokens=t, op=name, launch=label,
+                               us=sec * 1e6), sec * 1e3, nbytes, bw)
+          ROWS.append(r)
+          print(f"{fmt:<6} {t:>4} {name:<8} {label:<18} {r['us']:>8.1f} "
+                f"{r['floor_ms'] * 1e3:>9.1f} {r['ratio_to_floor']:>6.2f}"
+                f"{floors.x_spec(r, width=7)}{floors.flag(r)}", flush=True)
     del wgu, wd
 
 
 def print_table():
   print("\n== MoE expert GEMMs (gate/up + SwiGLU + down) vs the distinct experts' bytes floor")
   print(f"{'T':>4} {'format':<6} {'path':<13} {'tiles':<12} {'us':>9} {'experts':>8} "
-        f"{'floor us':>9} {'ratio':>6} {'max abs err':>12} {'rel err':>8}")
-  for r in ROWS:
+        f"{'floor us':>9} {'ratio':>6} {'x spec':>6} {'max abs err':>12} {'rel err':>8}")
+  for r in (r for r in ROWS if r["section"] == "path"):
     tiles = "x".join(map(str, r["tiles"])) if r["tiles"] else "-"
     head = f"{r['tokens']:>4} {r['format']:<6} {r['path']:<13} {tiles:<12}"
     if "error" in r:
       print(f"{head} error: {r['error'][:120]}")
       continue
     flag = "" if r["rel_err"] < 3e-2 else "  BAD"
-    print(f"{head} {r['us']:>9.1f} {r['distinct']:>8} {r['floor_us']:>9.1f} {r['ratio']:>6.2f} "
-          f"{r['max_abs_err']:>12.2e} {r['rel_err']:>8.1e}{flag}")
+    print(f"{head} {r['us']:>9.1f} {r['distinct']:>8} {r['floor_ms'] * 1e3:>9.1f} "
+          f"{r['ratio_to_floor']:>6.2f}{floors.x_spec(r, width=7)} {r['max_abs_err']:>12.2e} "
+          f"{r['rel_err']:>8.1e}{flag}{floors.flag(r)}")
 
 
 engine.define_compilation_cache_flags(default=False)
@@ -274,14 +280,17 @@ def main(_):
   args = common_flags.start(SMOKE)
   dev = jax.devices()[0]
   print(f"device {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}; "
-        f"E={args.experts} top-{args.top_k} H={args.hidden} I={args.intermediate}, floor at "
-        f"{args.floor_bandwidth / 1e12:.2f} TB/s", flush=True)
+        f"E={args.experts} top-{args.top_k} H={args.hidden} I={args.intermediate}", flush=True)
+  bw = floors.measure(args.smoke, args.floor_bandwidth)
+  print(bw.describe(), flush=True)
+  emit(args, bw.row())
   if args.sweep:
-    sweep(args)
-    return
-  for n, fmt in enumerate(args.formats.split(",")):
-    run_format(fmt, args, jax.random.key(n))
-  print_table()
+    sweep(args, bw)
+  else:
+    for n, fmt in enumerate(args.formats.split(",")):
+      run_format(fmt, args, jax.random.key(n), bw)
+    print_table()
+  floors.check(ROWS)
 
 
 if __name__ == "__main__":

@@ -4,15 +4,16 @@
   python -m experiments.perf.bench_step --small        # tiny shapes, runs on CPU (smoke)
   python -m experiments.perf.bench_step --mesh_tp=8    # tensor parallel (ar/spec sections)
 
-Prints, in one run: copy bandwidth; AR step vs the weight+KV bandwidth floor (a hybrid's: its
-attention layers' KV rows, and its Gated DeltaNet states read and written); per-step time of
-chain and DDTree by budget with the per-stage split (draft, tree, verify, accept+commit, each its
-own program); the while_loop driver vs a Python loop over the same jitted step. Medians of repeats;
-compile time reported separately (the programs of a group compile concurrently in threads, then
-run one at a time). Steps are timed inside the real decode loop (lax.while_loop; with
---steps_per_check=K, K steps per loop iteration). The random drafter accepts ~1 token per step,
-so a row runs --steps steps; a K that does not divide them adds idle steps (their time counts,
-the steps do not).
+Prints, in one run: the floors' bandwidth (`floors.measure`); AR step vs the weight+KV bandwidth
+floor (a hybrid's: its attention layers' KV rows, and its Gated DeltaNet states read and written;
+on a mesh those bytes over all its devices) and vs the same bytes at the card's spec bandwidth;
+per-step time of chain and DDTree by budget with the per-stage split (draft, tree, verify,
+accept+commit, each its own program); the while_loop driver vs a Python loop over the same jitted
+step. Medians of repeats; compile time reported separately (the programs of a group compile
+concurrently in threads, then run one at a time). Steps are timed inside the real decode loop
+(lax.while_loop; with --steps_per_check=K, K steps per loop iteration). The random drafter
+accepts ~1 token per step, so a row runs --steps steps; a K that does not divide them adds idle
+steps (their time counts, the steps do not).
 
 A row's step time is one call's wall time over its steps, so it includes the call's fixed cost
 (dispatch, the first condition check, the final sync and a slower first step:
@@ -34,11 +35,14 @@ from ddtree_jax.spec import decode
 from ddtree_jax.models import decoder
 from ddtree_jax.tools import profiling
 from ddtree_jax.kernels import Kernels
-from experiments.perf import common_flags, harness
+from experiments.perf import common_flags, floors, harness
 
-common_flags.define("small", "repeats", "json_out", "fuse_qkv", compile_threads=1)
-flags.DEFINE_string("sections", "copy,ar,spec,host",
-                    "comma list of: copy, compile (serial compile seconds per program), ar, spec, host")
+common_flags.define("small", "repeats", "json_out", "fuse_qkv", "floor_bandwidth",
+                    compile_threads=1)
+flags.DEFINE_string("sections", "bandwidth,ar,spec,host",
+                    "comma list of: bandwidth (the floors' bandwidth row, also written with ar / "
+                    "spec; 'copy' is its old name), compile (serial compile seconds per "
+                    "program), ar, spec, host")
 flags.DEFINE_string("budgets", "chain,1,4,16,32,64,128,256",
                     "spec runs of the full sweep: 'chain' or a ddtree budget")
 flags.DEFINE_string("batches", "1,8", "batch sizes")
@@ -115,11 +119,14 @@ def main(_):
   print(f"devices: {jax.devices()}  target params {decoder.param_bytes(tp) / 1e9:.2f} GB  "
         "drafter " + ", ".join(f"{k} {decoder.param_bytes(v) / 1e9:.2f} GB" for k, v in dps.items()),
         flush=True)
-  bw = harness.copy_bandwidth(small)
-  emit({"section": "copy", "bandwidth_GBps": bw / 1e9}, mesh)
+  if {"bandwidth", "copy", "ar", "spec"} & set(sections):
+    bw = floors.measure(small, FLAGS.floor_bandwidth)
+    print(bw.describe(), flush=True)
+    emit(bw.row(), mesh)
   weight_bytes = decoder.param_bytes(tp) - tp.embed.size * tp.embed.dtype.itemsize
   kv_row = 2 * len(tcfg.attention_layers) * tcfg.num_kv_heads * tcfg.head_dim * 2  # per token, seq
   state_bytes = harness.recurrent_bytes(tcfg)  # per seq and step: read and written
+  chips = 1 if mesh is None else mesh.size  # a mesh's floor: each byte read by one device at least
   steps = FLAGS.steps
 
   def loop_config(attn, **kw):
@@ -190,10 +197,9 @@ def main(_):
         per_round, per_call = harness.round_seconds(loop, case, long, long_case, FLAGS.repeats)
         row.update(round_ms=per_round * 1e3, per_call_ms=per_call * 1e3)
       if row["section"] == "ar":
-        floor = (weight_bytes + b * (prefix * kv_row + state_bytes)) / bw
         ar_ms[(row["attention"], b, prefix)] = s * 1e3
         ar_round[(row["attention"], b, prefix)] = row.get("round_ms")
-        row.update(floor_ms=floor * 1e3, ratio_to_floor=s / floor)
+        floors.mark(row, s * 1e3, (weight_bytes + b * (prefix * kv_row + state_bytes)) / chips, bw)
       else:
         row["vs_ar_step"] = s * 1e3 / ar_ms[(row["attention"], b, prefix)]
         if FLAGS.marginal_steps:
@@ -227,17 +233,17 @@ def main(_):
             "while_loop_step_ms": s_loop * 1e3, "python_loop_step_ms": s_py * 1e3,
             "python_over_while": s_py / s_loop}, mesh)
   print_tables()
+  floors.check(ROWS)
 
 
 def print_tables():
   print("\n== AR decode step vs weight+KV bandwidth floor")
-  print(f"{'attn':<7}{'batch':>6}{'prefix':>8}{'step ms':>10}{'floor ms':>10}{'ratio':>8}")
+  print(f"{'attn':<7}{'batch':>6}{'prefix':>8}{'step ms':>10}{'floor ms':>10}{'ratio':>8}"
+        f"{'x spec':>8}")
   for r in ROWS:
-    if r["section"] == "copy":
-      print(f"copy bandwidth {r['bandwidth_GBps']:.0f} GB/s (read+write)")
     if r["section"] == "ar":
       print(f"{r['attention']:<7}{r['batch']:>6}{r['prefix']:>8}{r['step_ms']:>10.3f}"
-            f"{r['floor_ms']:>10.3f}{r['ratio_to_floor']:>8.2f}")
+            f"{r['floor_ms']:>10.3f}{r['ratio_to_floor']:>8.2f}{floors.x_spec(r)}{floors.flag(r)}")
   print("\n== Speculative step (while_loop) and stages (separate programs), ms")
   print(f"{'attn':<7}{'method':<8}{'B':>5}{'drafter':>13}{'batch':>6}{'prefix':>7}{'step':>9}"
         f"{'xAR':>7}{'draft':>8}"

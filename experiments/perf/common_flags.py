@@ -4,11 +4,13 @@
   args = common_flags.start(SMOKE)                      # first in main
 
 `define` gives the calling script each named flag with the default and help below, or the
-default its keyword says; the script's --help lists them as its own.
+default its keyword says; the script's --help lists them as its own. `keep_row` keeps a result
+row and writes it where --json_out says.
 """
 
 from __future__ import annotations
 
+import json
 import types
 
 from absl import flags
@@ -34,7 +36,8 @@ SHARED = {  # name: (DEFINE_*, default, help)
                           "(drafter.restrict_vocab); 0 = the whole vocabulary"),
     "round_ms": (flags.DEFINE_float, 10.0, "target duration of a timed round"),
     "rounds": (flags.DEFINE_integer, 5, "timed rounds (median)"),
-    "floor_bandwidth": (flags.DEFINE_float, 4.3e12, "bytes per second of the floors"),
+    "floor_bandwidth": (flags.DEFINE_float, 0.0, "bytes per second of the floors; 0: measure "
+                        "them in this run (floors.measure)"),
     "json_out": (flags.DEFINE_string, "", "append each row here as a JSON line"),
 }
 
@@ -56,3 +59,16 @@ def start(smoke: dict | None = None) -> types.SimpleNamespace:
   if smoke and values.get("smoke"):
     values.update(smoke)
   return types.SimpleNamespace(**values)
+
+
+def keep_row(rows: list, row: dict, json_out: str = "", echo: bool = True) -> dict:
+  """Appends row to rows, prints it as a JSON line when echo, and appends that line to the file
+  json_out (--json_out; '' = none). Returns row."""
+  line = json.dumps(row)
+  rows.append(row)
+  if echo:
+    print(line, flush=True)
+  if json_out:
+    with open(json_out, "a") as f:
+      f.write(line + "\n")
+  return row

@@ -410,15 +410,6 @@ def round_seconds(short, short_case: Case, long, long_case: Case, repeats: int):
   return per_round, t_short - n_short * per_round
 
 
-def copy_bandwidth(small: bool = False) -> float:
-  """Bytes per second (read + written) of a jitted x + 1 over a 4 GiB bf16 array (4 MiB when
-  small), the median of 10 calls: the floor's bandwidth."""
-  n = (1 << 20) if small else (1 << 31)
-  x = jnp.ones((n,), jnp.bfloat16)
-  s = profiling.median_seconds(jax.jit(lambda a: a + 1), x, repeats=10)
-  return 2 * n * 2 / s
-
-
 # --------------------------------------------------------------------------------------------
 # One kernel or layer: random inputs, n calls on device
 

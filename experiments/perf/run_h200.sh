@@ -26,6 +26,7 @@
 #   experiments/perf/run_h200.sh kimi OUT     # the Kimi-K2 slice's forwards at 4 and 2 layers
 #   experiments/perf/run_h200.sh moe_pairs OUT  # MoE layers at decode rows: pair kernels vs sorted
 #   experiments/perf/run_h200.sh moe_decode OUT # the MoE decode kernels vs the pair kernels
+#   experiments/perf/run_h200.sh moe_fused OUT  # the MoE block in four launches vs OLD's tree
 #   experiments/perf/run_h200.sh target_sweep OUT # the bundled target's shape from short runs
 #   experiments/perf/run_h200.sh pair_target OUT; ... pair_rest OUT  # the bundled pair, two calls
 #   experiments/perf/run_h200.sh pair_drafter OUT  # a new drafter for the target in .pair/
@@ -78,6 +79,22 @@ case $what in
         --sections=loop --loop_runs="1:ar,16" --moe_decode=default,off --steps=8 --repeats=3 \
         --json_out="$out/moe_decode_loop.jsonl" >>"$out/moe_decode_loop.log" 2>&1
     done
+    ;;
+  moe_fused)  # ~530 s: the MoE decode block in four launches against OLD's tree (a git archive of
+              # the commit before it, default .ab/old): Qwen3-30B-A3B's AR and B=16 loops (the
+              # new tree at its defaults, without the SM fill, with XLA's router), then
+              # Moonlight's AR and B=16 on each tree
+    old=$(realpath "${OLD:-.ab/old}") o=$(realpath "$out")
+    loop=(--sections=loop --loop_runs=1:ar,16 --steps=8 --repeats=3 --compile_threads=8)
+    timeout 230 $py -m experiments.perf.bench_moe "${loop[@]}" \
+      --moe_decode=default,fill=0+down_fill=0,router=0x0x0x0 --json_out="$o/q30_new.jsonl" \
+      >"$o/q30_new.log" 2>&1
+    (cd "$old" && PYTHONPATH=. timeout 100 $py -m experiments.perf.bench_moe "${loop[@]}" \
+      --json_out="$o/q30_old.jsonl" >"$o/q30_old.log" 2>&1)
+    timeout 100 $py -m experiments.perf.bench_moe --shape=moonlight-16b-a3b "${loop[@]}" \
+      --json_out="$o/moon_new.jsonl" >"$o/moon_new.log" 2>&1
+    (cd "$old" && PYTHONPATH=. timeout 100 $py -m experiments.perf.bench_moe \
+      --shape=moonlight-16b-a3b "${loop[@]}" --json_out="$o/moon_old.jsonl" >"$o/moon_old.log" 2>&1)
     ;;
   target_sweep)  # the bundled target's depth at ~15.5M parameters from short runs on one corpus
                  # (configs/train_target.py's: the stdlib + every installed package's sources,
@@ -337,7 +354,7 @@ EOF
       --config.out_dir="$out/m8b" >"$out/m8b.log" 2>&1
     tar -C "$out" -czf "$out/m8b.tgz" m8b 2>/dev/null && rm -r "$out/m8b"
     ;;
-  *) echo "usage: $0 compile|step|step8|spec|quick|goals|results|int8|profile|profile_tp|kernel|sweep|gemm|tp|matrix|temperature|m8b|moe|moe_pairs|moe_decode|moe_loop|target_sweep|pair_target|pair_rest|pair_drafter|hybrid|hybrid_moe|mla|mla8k|latent|kimi OUT" >&2
+  *) echo "usage: $0 compile|step|step8|spec|quick|goals|results|int8|profile|profile_tp|kernel|sweep|gemm|tp|matrix|temperature|m8b|moe|moe_pairs|moe_decode|moe_fused|moe_loop|target_sweep|pair_target|pair_rest|pair_drafter|hybrid|hybrid_moe|mla|mla8k|latent|kimi OUT" >&2
      exit 2 ;;
 esac
 ls -la "$out"
