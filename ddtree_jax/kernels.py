@@ -182,22 +182,9 @@ class Kernels:
     pairs = x.shape[0] * routing.top_k
     if pairs > most or not moe_decode.supported(params):
       return None
-    gate_up, block_k, warps = (tuning.moe_decode_quant_launch if quantized
-                               else tuning.moe_decode_launch)
-    span = down_span = None
-    down = tuning.moe_pair_blocks
-    sms = tuning.device_sm_count()
-    if tuning.moe_decode_fill:
-      span, gate_up = moe_decode.fill_span(params.w_gate_up.shape[-1], pairs, sms, gate_up)
-    if tuning.moe_down_fill_width:
-      down_span, width = moe_decode.fill_span(x.shape[1], pairs, sms,
-                                              tuning.moe_down_fill_width)
-      down = (down[0], width, down[2])
-    return moe_decode.moe_decode(params, x, routing, weights, chosen, gate_up_block=gate_up,
-                                 span=span, block_k=block_k, num_warps=warps,
-                                 down_blocks=down, down_span=down_span,
-                                 router=tuning.moe_router_launch, swap=tuning.moe_quant_swap,
-                                 interpret=tuning.interpret, **residual)
+    return moe_decode.moe_decode(params, x, routing, weights, chosen,
+                                 **moe_decode.launch(tuning, params, pairs, x.shape[1]),
+                                 **residual)
 
   @functools.cached_property
   def delta_tree(self) -> Callable:

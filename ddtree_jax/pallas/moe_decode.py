@@ -186,6 +186,26 @@ def fill_span(n_dim: int, pairs: int, sm_count: int, block_n: int) -> tuple[int,
   return span, min(block_n, pl.next_power_of_2(span))
 
 
+def launch(tuning, params: moe.MoEParams, pairs: int, hidden: int) -> dict:
+  """`moe_decode`'s launch keywords for `pairs` (row, expert) pairs of a layer of width hidden
+  from a `KernelTuning`: its gate/up and down launches, their spans filling the device's SMs
+  where the tuning asks (`fill_span`), the router launch."""
+  quantized = quant.is_quantized(params.w_gate_up)
+  gate_up, block_k, warps = (tuning.moe_decode_quant_launch if quantized
+                             else tuning.moe_decode_launch)
+  span = down_span = None
+  down = tuning.moe_pair_blocks
+  sms = tuning.device_sm_count()
+  if tuning.moe_decode_fill:
+    span, gate_up = fill_span(params.w_gate_up.shape[-1], pairs, sms, gate_up)
+  if tuning.moe_down_fill_width:
+    down_span, width = fill_span(hidden, pairs, sms, tuning.moe_down_fill_width)
+    down = (down[0], width, down[2])
+  return dict(gate_up_block=gate_up, span=span, block_k=block_k, num_warps=warps,
+              down_blocks=down, down_span=down_span, router=tuning.moe_router_launch,
+              swap=tuning.moe_quant_swap, interpret=tuning.interpret)
+
+
 def _gate_up(route, x, w, pairs: int, *, block_n, span, block_k, routing, num_warps,
              num_stages, swap, interpret):
   """The routed gate/up kernel: (a [P, I] in x's dtype, the pairs' experts clamped to [0, E)
@@ -233,7 +253,8 @@ def moe_decode(params: moe.MoEParams, x, routing: moe.Routing, weights=None, exp
                residual=None, norm=None, shared=None, *, gate_up_block: int = 32,
                span: int | None = None, block_k: int = 256, num_warps: int = 4,
                num_stages: int | None = None, down_blocks: tuple[int, int, int] = (16, 64, 256),
-               down_span: int | None = None, router: tuple[int, int, int, int] = (8, 32, 64, 4), swap: bool = False,
+               down_span: int | None = None, router: tuple[int, int, int, int] = (8, 32, 64, 4),
+               swap: bool = False,
                eps: float = 1e-6, interpret=None):
   """The layer's mixture of experts for x [R, H] -> [R, H] in x's dtype: routed from the
   router's logits inside the gate/up kernel (weights, experts None; one expert group, else

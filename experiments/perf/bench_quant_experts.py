@@ -11,7 +11,8 @@ block FP8 128x128 (`quant.random_fp8`)), for T tokens routed uniformly at random
   python -m experiments.perf.bench_quant_experts --smoke    # tiny shapes on CPU (interpreted)
 
 Paths (--paths; each format runs those that apply):
-  decode       `moe_decode.moe_decode`: its gate/up kernel, then the down pair kernel and each
+  decode       `moe_decode.moe_decode` at the engine's launch (`moe_decode.launch`: spans that fill
+               the SMs): its gate/up kernel, then the down pair kernel and each
                token's combine (T <= --pair_tokens; experts given, weights 1: the in-kernel
                top-k is not timed here, bench_moe times it)
   pairs        `moe_ops.pair_ops`: one tile per pair, no sort (decode; T <= --pair_tokens);
@@ -143,11 +144,12 @@ def cases(fmt: str, t: int, args):
     if kind == "decode":
       routing = moe.Routing(args.top_k)
       for b in blocks_list(args.decode_launches):
-        gu, bk, warps = b or (tuning.moe_decode_quant_launch if quantized
-                              else tuning.moe_decode_launch)
-        yield path, (gu, bk, warps), "decode", functools.partial(
-            moe_decode.moe_decode, routing=routing, gate_up_block=gu, block_k=bk,
-            num_warps=warps, down_blocks=tuning.moe_pair_blocks, swap=tuning.moe_quant_swap)
+        b = b or (tuning.moe_decode_quant_launch if quantized else tuning.moe_decode_launch)
+        at = dataclasses.replace(tuning, moe_decode_launch=b, moe_decode_quant_launch=b)
+        yield path, b, "decode", (
+            lambda params, x, weights, experts, at=at, routing=routing: moe_decode.moe_decode(
+                params, x, routing, weights, experts,
+                **moe_decode.launch(at, params, x.shape[0] * routing.top_k, x.shape[1])))
     elif kind == "pairs":
       for b in blocks_list(args.pair_blocks):
         yield path, b or tuning.moe_pair_blocks, "pairs", moe_ops.pair_ops(tuning, b)

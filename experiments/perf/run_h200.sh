@@ -27,6 +27,7 @@
 #   experiments/perf/run_h200.sh moe_pairs OUT  # MoE layers at decode rows: pair kernels vs sorted
 #   experiments/perf/run_h200.sh moe_decode OUT # the MoE decode kernels vs the pair kernels
 #   experiments/perf/run_h200.sh moe_fused OUT  # the MoE block in four launches vs OLD's tree
+#   experiments/perf/run_h200.sh moe_rest OUT   # q30 profile, int4 experts, K2.6 share, Qwen3.6
 #   experiments/perf/run_h200.sh target_sweep OUT # the bundled target's shape from short runs
 #   experiments/perf/run_h200.sh pair_target OUT; ... pair_rest OUT  # the bundled pair, two calls
 #   experiments/perf/run_h200.sh pair_drafter OUT  # a new drafter for the target in .pair/
@@ -95,6 +96,22 @@ case $what in
       --json_out="$o/moon_new.jsonl" >"$o/moon_new.log" 2>&1
     (cd "$old" && PYTHONPATH=. timeout 100 $py -m experiments.perf.bench_moe \
       --shape=moonlight-16b-a3b "${loop[@]}" --json_out="$o/moon_old.jsonl" >"$o/moon_old.log" 2>&1)
+    ;;
+  moe_rest)  # ~500 s: kernels per Qwen3-30B-A3B AR step, the int4 experts at Kimi K2.6's shape
+             # (1 and 9 tokens), the K2.6 one-GPU share at batch 1 (AR, B=8/16/32), Qwen3.6-35B-A3B's
+             # AR and B=16 loop, Qwen3.5-9B's AR step against its floor (batch 1 and 8)
+    o=$(realpath "$out")
+    prof=(--shape=qwen3-30b-a3b --runs=ar --attention=pallas --steps=16 --top=30)
+    timeout 100 $py -m experiments.perf.profile_step "${prof[@]}" >"$o/profile_q30.log" 2>&1
+    timeout 90 $py -m experiments.perf.bench_quant_experts --formats=int4 --tokens=1,9 \
+      --paths=decode --json_out="$o/quant_int4.jsonl" >"$o/quant_int4.log" 2>&1
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout 200 $py -m experiments.perf.bench_kimi_share \
+      --runs=ar,8,16,32 --batches=1 --json_out="$o/kimi_share.jsonl" >"$o/kimi_share.log" 2>&1
+    timeout 130 $py -m experiments.perf.bench_moe --shape=qwen3.6-35b-a3b --sections=loop \
+      --loop_runs=1:ar,16 --steps=8 --repeats=3 --compile_threads=8 \
+      --json_out="$o/q36.jsonl" >"$o/q36.log" 2>&1
+    timeout 100 $step --shape=qwen3.5-9b --sections=ar --batches=1,8 --prefixes=1024 \
+      --attention=pallas --json_out="$o/hybrid_9b_ar.jsonl" >"$o/hybrid_9b_ar.log" 2>&1
     ;;
   target_sweep)  # the bundled target's depth at ~15.5M parameters from short runs on one corpus
                  # (configs/train_target.py's: the stdlib + every installed package's sources,
