@@ -6,7 +6,7 @@ from ddtree_jax.checkpoints.dflash import Drafter, load_drafter
 from ddtree_jax.checkpoints.hf import Target, load_target
 from ddtree_jax.engine import (GenerateResult, budget_costs, compile_many, compile_only,
                                draft_logits, forward_logits, generate)
-from ddtree_jax.spec.tree import DraftTree, build_tree
+from ddtree_jax.speculative.tree import DraftTree, build_tree
 
 DEFAULT_MODEL_DIR = _os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "default_model")
 

@@ -23,7 +23,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from ddtree_jax.spec import auto as auto_lib
+from ddtree_jax.speculative import auto as auto_lib
 
 SHORT, LONG, REPEATS = 2, 8, 3
 FILE = "ddtree_budget_costs.json"

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax import auto_costs
-from ddtree_jax.spec import decode
+from ddtree_jax.speculative import decode
 from ddtree_jax.models import drafter as drafter_lib
 from ddtree_jax import kernels as kernels_lib
 from ddtree_jax.models import decoder
@@ -24,7 +24,7 @@ from ddtree_jax.checkpoints.dflash import Drafter
 from ddtree_jax.checkpoints.hf import Target
 from ddtree_jax.request import (DEFAULT_BUDGETS, GenerateOptions, RequestError,
                                 token_ids as check_token_ids)
-from ddtree_jax.spec.sampling import seed_key_data
+from ddtree_jax.speculative.sampling import seed_key_data
 
 _LOG = logging.getLogger(__name__)
 

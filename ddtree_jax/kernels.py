@@ -41,7 +41,7 @@ from ddtree_jax.pallas import (add_rms_norm, delta_tree, latent_attention, moe_d
                                qk_norm_rope)
 from ddtree_jax.pallas.tree_attention import tree_attention
 from ddtree_jax.pallas.tuning import KernelTuning
-from ddtree_jax.spec import topk
+from ddtree_jax.speculative import topk
 
 ATTENTIONS = ("xla", "pallas")
 

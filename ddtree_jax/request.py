@@ -11,17 +11,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import jax
 import numpy as np
 
 from ddtree_jax.checkpoints.dflash import Drafter
 from ddtree_jax.kernels import ATTENTIONS, Kernels, KernelTuning
-from ddtree_jax.spec.decode import METHODS, LoopConfig
-
-if TYPE_CHECKING:
-  from ddtree_jax.serving.slots import SlotConfig
+from ddtree_jax.speculative.decode import METHODS, LoopConfig
 
 MAX_BUDGET = 1024
 DEFAULT_BUDGETS = (0, 8, 16, 32, 64)  # budget="auto"'s options (0: AR)
@@ -30,6 +27,16 @@ MIN_SEED, MAX_SEED = -(1 << 63), (1 << 64) - 1  # any 64-bit integer, signed or 
 MEMORY_HEADROOM = 0.9  # the share of the free memory a request's caches may take
 # The options a served request sets; the others are the server's (`slots.SlotConfig`).
 SLOT_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServedLimits:
+  """What a server takes of a request (`slots.SlotConfig.limits`): prompt + new tokens per slot
+  (capacity), the longest prompt, the largest top_k, and sampling (False: greedy only)."""
+  capacity: int
+  longest_prompt: int
+  max_top_k: int
+  sampling: bool
 
 
 class RequestError(ValueError):
@@ -161,7 +168,7 @@ class GenerateOptions:
 
   method: "ar", "chain" (DFlash) or "ddtree"; budget: DDTree's tree nodes (ddtree only, needed),
   or "auto": each step chooses one of `budgets` (0: AR) by expected tokens per second
-  (`spec/auto.py`), with `budget_costs` the seconds per step of each (None: measured on this
+  (`speculative/auto.py`), with `budget_costs` the seconds per step of each (None: measured on this
   machine, `engine.budget_costs`), every `auto_every` steps (`decode.auto_steps`); topk_cap:
   DDTree's tokens per depth (ddtree only; None: the budget). temperature > 0 samples
   from the target's distribution, filtered by top_k / top_p (None: off), with draws keyed by seed
@@ -192,12 +199,12 @@ class GenerateOptions:
     """The options as `engine.generate`'s keyword arguments."""
     return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
-  def check_values(self, slots: SlotConfig | None = None) -> GenerateOptions:
+  def check_values(self, server: ServedLimits | None = None) -> GenerateOptions:
     """The options with every value type- and range-checked on its own (RequestError naming the
-    field): ints are ints, floats finite floats. With `slots`, as a request to that server: only
+    field): ints are ints, floats finite floats. With `server`, as a request to a server: only
     SLOT_FIELDS may differ from the defaults, temperature is at most MAX_TEMPERATURE (0 for a
     greedy-only server)."""
-    if slots is not None:
+    if server is not None:
       for f in dataclasses.fields(self):
         if f.name not in SLOT_FIELDS and getattr(self, f.name) != f.default:
           raise RequestError(f"{f.name} is the server's (SlotConfig), not a request's: leave it "
@@ -212,8 +219,8 @@ class GenerateOptions:
     max_new_tokens = integer("max_new_tokens", self.max_new_tokens, 1)
     steps_per_check = integer("steps_per_check", self.steps_per_check, 1, max_new_tokens)
     temperature = number("temperature", self.temperature, 0.0,
-                         None if slots is None else MAX_TEMPERATURE)
-    if slots is not None and temperature > 0 and not slots.sampling:
+                         None if server is None else MAX_TEMPERATURE)
+    if server is not None and temperature > 0 and not server.sampling:
       raise RequestError("this server decodes greedily (SlotConfig.sampling=False): temperature "
                          "must be 0", "temperature")
     seed = integer("seed", self.seed, MIN_SEED, MAX_SEED)
@@ -255,23 +262,23 @@ class GenerateOptions:
         cache_capacity=cache_capacity)
 
   def check(self, target, drafter, prompts: Sequence[Sequence[int]],
-            slots: SlotConfig | None = None
+            server: ServedLimits | None = None
             ) -> tuple[tuple[tuple[int, ...], ...], GenerateOptions]:
     """Checks a request of these options for `prompts` on `target` (with `drafter`, None for AR):
     the values (`check_values`), the prompts, the positions, the cache rows and memory. Returns
     (the prompts as tuples, the options with stop_token_ids, cache_capacity and top_k resolved
-    for the model: a top_k of the whole vocabulary is None). With `slots`, as a request to that
-    server, whose decode state holds the caches: a prompt fits its largest bucket, the prompt
-    plus max_new_tokens its slot's capacity, top_k its max_top_k."""
+    for the model: a top_k of the whole vocabulary is None). With `server`, as a request to a
+    server whose decode state holds the caches: a prompt fits its longest_prompt, the prompt plus
+    max_new_tokens its capacity, top_k its max_top_k."""
     cfg = target.config
-    if slots is None and self.method in METHODS and self.method != "ar":
+    if server is None and self.method in METHODS and self.method != "ar":
       if drafter is None:
         raise RequestError(f"method {self.method!r} needs a drafter "
                            "(drafter=load_drafter(...))", "drafter")
       if not isinstance(drafter, Drafter):
         raise RequestError(f"drafter must be a Drafter (ddtree_jax.load_drafter), got "
                            f"{type(drafter).__name__}", "drafter")
-    opts = self.check_values(slots)
+    opts = self.check_values(server)
     if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__") or not len(prompts):
       raise RequestError("prompts is empty: give a non-empty list of token-id sequences",
                          "prompts")
@@ -280,14 +287,14 @@ class GenerateOptions:
     for i, p in enumerate(checked):
       if not p:
         raise RequestError(f"prompt {i} is empty", "prompts")
-      if slots is not None and len(p) > slots.prompt_buckets[-1]:
+      if server is not None and len(p) > server.longest_prompt:
         raise RequestError(f"prompt {i} has {len(p)} tokens; this server takes at most "
-                           f"{slots.prompt_buckets[-1]}", "prompts")
+                           f"{server.longest_prompt}", "prompts")
     top_k = opts.top_k
     if top_k is not None and top_k >= cfg.vocab_size:
       top_k = None
-    if slots is not None and top_k is not None and top_k > slots.max_top_k:
-      raise RequestError(f"top_k must be an integer in [1, {slots.max_top_k}] (or off: at least "
+    if server is not None and top_k is not None and top_k > server.max_top_k:
+      raise RequestError(f"top_k must be an integer in [1, {server.max_top_k}] (or off: at least "
                          f"the vocabulary, {cfg.vocab_size}), got {top_k}", "top_k")
     stop = cfg.eos_token_ids if opts.stop_token_ids is None else opts.stop_token_ids
     stop = tuple(token_ids("stop_token_ids", stop, cfg.vocab_size))
@@ -298,16 +305,16 @@ class GenerateOptions:
                          f"positions; the model has {cfg.max_position_embeddings}",
                          "max_new_tokens")
     capacity = opts.cache_capacity
-    if slots is not None:
-      if longest + new > slots.capacity:
+    if server is not None:
+      if longest + new > server.capacity:
         raise RequestError(f"a prompt of {longest} tokens + max_new_tokens {new} exceeds the "
-                           f"server's {slots.capacity} tokens per slot", "max_new_tokens")
+                           f"server's {server.capacity} tokens per slot", "max_new_tokens")
     elif capacity is None:
       capacity = _round_up(need, 128)
     elif need > capacity:
       raise RequestError(f"a prompt of {longest} tokens + max_new_tokens {new} needs {need} "
                          f"cache rows; cache_capacity is {capacity}", "max_new_tokens")
-    if slots is None:
+    if server is None:
       itemsize = np.dtype(target.params.embed.dtype).itemsize
       dcfg = drafter.config if opts.method != "ar" else None
       shards = 1 if target.mesh is None else target.mesh.size  # caches split over the mesh

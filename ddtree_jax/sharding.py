@@ -5,8 +5,8 @@ layer's experts (its expert width also over "tp"). A
 `ShardingRules` maps the logical axes to mesh axes; the functions below turn a params / cache /
 decode-state pytree into a matching pytree of NamedShardings. Each pytree type states its own
 layout (its `partition_specs(axes)` method, beside its layer kind: models/decoder.py, mla.py,
-moe.py, drafter.py; spec/decode.py for the decode state), through `Axes`, which maps a logical
-axis to a mesh axis. The layouts:
+moe.py, drafter.py; speculative/decode.py for the decode state), through `Axes`, which maps a
+logical axis to a mesh axis. The layouts:
 
   wq [H, N, D] split N     wkv [H, 2, K, D] split K    wo [N, D, H] split N (row parallel:
   w_gate_up [H, 2, I] split I    w_down [I, H] split I      XLA inserts the all-reduce)

@@ -74,7 +74,7 @@ MUTATIONS = (
     Mutation(
         "draft_rows_zeroed",
         "decode step commits zero K/V as the drafter's context rows (lengths still advance)",
-        "ddtree_jax/spec/decode.py",
+        "ddtree_jax/speculative/decode.py",
         "    dk, dv = dcfg.context(dparams, rows, pos)\n",
         "    dk, dv = dcfg.context(dparams, rows, pos)\n"
         "    dk, dv = jax.tree.map(jnp.zeros_like, (dk, dv))\n",
@@ -83,7 +83,7 @@ MUTATIONS = (
         "draft_rows_shifted",
         "each committed drafter row takes the target features of the next committed path node "
         "(one token ahead; the last committed row keeps its own)",
-        "ddtree_jax/spec/decode.py",
+        "ddtree_jax/speculative/decode.py",
         "    rows = jnp.take_along_axis(taps, src[:, :, None], axis=1)\n",
         "    ahead = jnp.minimum(jnp.arange(src.shape[1])[None] + 1, (count - 1)[:, None])\n"
         "    ahead = jnp.take_along_axis(src, jnp.maximum(ahead, 0), axis=1)  # next path node\n"
@@ -92,14 +92,14 @@ MUTATIONS = (
     Mutation(
         "draft_rows_not_committed",
         "the decode step leaves the drafter's cache as it was (no rows, lengths not advanced)",
-        "ddtree_jax/spec/decode.py",
+        "ddtree_jax/speculative/decode.py",
         "    draft_cache = decoder.commit(draft_cache, decoder.Pending(dk, dv), ident, count)\n",
         "    draft_cache = state.draft_cache\n",
         DRAFT_TESTS),
     Mutation(
         "non_first_child_never_accepted",
         "accept: a node matches only if it is also its parent's first (lowest-index) child",
-        "ddtree_jax/spec/verify.py",
+        "ddtree_jax/speculative/verify.py",
         "  matched = (tokens == post_at_parent) | (parents < 0)\n",
         "  n = tokens.shape[1]\n"
         "  earlier = jnp.arange(n)[:, None] > jnp.arange(n)[None, :]  # [N, N]: m < n\n"
@@ -111,7 +111,7 @@ MUTATIONS = (
         "biased_non_root_sample",
         "T > 0, decode path: at non-root nodes with a child, the target's sample is replaced by "
         "the first child's token with probability 0.05 (the root stays unbiased)",
-        "ddtree_jax/spec/decode.py",
+        "ddtree_jax/speculative/decode.py",
         "  if pick is None:\n"
         "    pick = lambda x, k: verify.pick(x, lc.temperature, k, lc.top_k, lc.top_p)\n",
         "  if pick is None:\n"
@@ -130,7 +130,7 @@ MUTATIONS = (
         "top_p_at_root_only",
         "verify.pick on tree logits [B, N, V]: top-p filters the root only; non-root nodes sample "
         "without it (prefill's [B, V] pick unchanged)",
-        "ddtree_jax/spec/verify.py",
+        "ddtree_jax/speculative/verify.py",
         "  filtered = filter_logits(logits, temperature, top_k, top_p)\n",
         "  filtered = filter_logits(logits, temperature, top_k, top_p)\n"
         "  if logits.ndim == 3:\n"
@@ -182,8 +182,8 @@ def _env(root):
 def check_import(root):
   """Imports the copy's package (and its decode/verify modules, so a mutation that does not
   compile fails here) as pytest will; stops unless it comes from the copy."""
-  code = ("import ddtree_jax, ddtree_jax.spec.decode, ddtree_jax.spec.verify; "
-          "print(ddtree_jax.__file__); print(ddtree_jax.spec.decode.__file__)")
+  code = ("import ddtree_jax, ddtree_jax.speculative.decode, ddtree_jax.speculative.verify; "
+          "print(ddtree_jax.__file__); print(ddtree_jax.speculative.decode.__file__)")
   r = subprocess.run([PYTHON, "-c", code], cwd=root, env=_env(root), capture_output=True,
                      text=True, check=False)
   if r.returncode:

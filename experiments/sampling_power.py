@@ -37,7 +37,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tests"))
 
 import test_sampling as ts  # noqa: E402  (the test's target, drafter, cases and decision)
-from ddtree_jax.spec import tree as tree_lib  # noqa: E402
+from ddtree_jax.speculative import tree as tree_lib  # noqa: E402
 
 _SIMS = flags.DEFINE_integer("sims", 2000, "simulated runs per case under the biased law")
 _LEAK = flags.DEFINE_float("leak", 0.05, "probability that a non-root node's sample is replaced "
@@ -118,7 +118,7 @@ def rejection_rate(law, conds, sims, n, rng):
 def engine_check(target, conds, method, budget, temperature, filters, biased_law):
   """p-value of the engine's counts under the planted rule against `biased_law`."""
   from ddtree_jax import engine
-  from ddtree_jax.spec import decode  # pylint: disable=import-outside-toplevel
+  from ddtree_jax.speculative import decode  # pylint: disable=import-outside-toplevel
   real_commit = decode.accept_and_commit
   engine._PROGRAMS.clear()  # pylint: disable=protected-access
   jax.clear_caches()

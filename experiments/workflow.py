@@ -21,7 +21,7 @@ import ml_collections
 import numpy as np
 
 from ddtree_jax.request import MAX_BUDGET, GenerateOptions, RequestError
-from ddtree_jax.spec.decode import METHODS
+from ddtree_jax.speculative.decode import METHODS
 from experiments.perf import harness
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -441,8 +441,8 @@ def one_step(target, drafter, prompt: Sequence[int], budget: int | None, method:
   node ids, root first), tau, emitted tokens, bonus."""
   import jax  # pylint: disable=import-outside-toplevel
   from ddtree_jax import engine
-  from ddtree_jax.spec import decode
-  from ddtree_jax.spec import verify  # pylint: disable=import-outside-toplevel
+  from ddtree_jax.speculative import decode
+  from ddtree_jax.speculative import verify  # pylint: disable=import-outside-toplevel
   dcfg = drafter.config
   state, lc = engine.prefill_state(
       target, [list(prompt)], method=method, max_new_tokens=dcfg.num_drafts + 2,

@@ -1,5 +1,5 @@
-"""budget="auto" (spec/auto.py, auto_costs.py): the expected acceptance of every budget from one
-tree, the choice by expected tokens per second, lossless whatever it chooses (dense, MoE, latent
+"""budget="auto" (speculative/auto.py, auto_costs.py): the expected acceptance of every budget from
+one tree, the choice by expected tokens per second, lossless whatever it chooses (dense, MoE, latent
 attention; batch 1 and 3 ragged; T > 0), the back-off to AR for a drafter that is never right,
 and measured costs kept on disk."""
 
@@ -14,10 +14,10 @@ import pytest
 
 import ddtree_jax as dj
 from ddtree_jax import auto_costs, engine
-from ddtree_jax.spec import decode
+from ddtree_jax.speculative import decode
 from ddtree_jax.request import RequestError
-from ddtree_jax.spec import auto
-from ddtree_jax.spec import tree as tree_lib
+from ddtree_jax.speculative import auto
+from ddtree_jax.speculative import tree as tree_lib
 from helpers import OracleConfig, drafter_and_ar, load_fixture, oracle_counts, oracle_drafter
 
 M = 32

@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import ddtree_jax as dj
 from ddtree_jax import sharding
-from ddtree_jax.spec import decode
+from ddtree_jax.speculative import decode
 from ddtree_jax.models import drafter as drafter_lib
 from ddtree_jax.checkpoints import export as hf_export
 from ddtree_jax.training import losses as training

@@ -10,7 +10,7 @@ import pytest
 from safetensors.numpy import save_file
 
 import ddtree_jax as dj
-from ddtree_jax.spec import decode
+from ddtree_jax.speculative import decode
 from ddtree_jax.checkpoints.hf import read_checkpoint_tensors
 from conftest import FIXTURES
 from helpers import copy_fixture, edit_config, oracle_drafter, write_drafter

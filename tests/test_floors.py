@@ -61,3 +61,15 @@ def test_check_fails_on_a_row_below_its_floor(capsys):
   assert exit_.value.code == 1
   out = capsys.readouterr().out
   assert out.count("BELOW FLOOR") == 1 and "run=ar" in out and "target_floor" in out
+
+
+def test_check_without_a_datasheet_prints_but_does_not_fail(capsys):
+  cpu = floors.Bandwidth(1e12, None, {}, "cpu")
+  rows = [cpu.row(), floors.mark({"section": "ar"}, -0.5, 1e9, cpu)]  # a noisy difference
+  floors.check(rows)
+  out = capsys.readouterr().out
+  assert "BELOW FLOOR" in out and "not failing" in out
+  with pytest.raises(SystemExit):
+    floors.check(rows[1:])  # no bandwidth row nor bw: strict
+  with pytest.raises(SystemExit):
+    floors.check(rows, BW)  # bw says a card with a datasheet

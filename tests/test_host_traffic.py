@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import pytest
 
 import ddtree_jax as dj
-from ddtree_jax.spec import decode
+from ddtree_jax.speculative import decode
 from conftest import FIXTURES
 from helpers import write_drafter
 

@@ -5,7 +5,7 @@ import jax
 import pytest
 
 from ddtree_jax import kernels
-from ddtree_jax.spec import decode
+from ddtree_jax.speculative import decode
 from ddtree_jax.pallas.tree_attention import launch_config
 from experiments.perf import harness
 

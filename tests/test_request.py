@@ -15,7 +15,7 @@ from conftest import FIXTURES
 from ddtree_jax import engine
 from ddtree_jax.request import SLOT_FIELDS, GenerateOptions, RequestError, default_attention
 from ddtree_jax.serving import server, slots
-from ddtree_jax.spec.sampling import seed_key_data
+from ddtree_jax.speculative.sampling import seed_key_data
 from experiments import serve, workflow
 
 FIELDS = {f.name: f for f in dataclasses.fields(GenerateOptions)}

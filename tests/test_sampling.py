@@ -21,9 +21,9 @@ from scipy import stats as sps
 
 import ddtree_jax as dj
 from ddtree_jax import engine
-from ddtree_jax.spec import decode
+from ddtree_jax.speculative import decode
 from ddtree_jax.models import decoder
-from ddtree_jax.spec import verify
+from ddtree_jax.speculative import verify
 from ddtree_jax.checkpoints.dflash import Drafter
 from ddtree_jax.checkpoints.hf import Target
 from ddtree_jax.models.config import ModelConfig

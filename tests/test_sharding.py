@@ -12,11 +12,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import ddtree_jax as dj
 from conftest import FIXTURES
 from ddtree_jax import kernels, sharding
-from ddtree_jax.spec import topk
+from ddtree_jax.speculative import topk
 from ddtree_jax.checkpoints import hf as checkpoint
-from ddtree_jax.spec import decode
-from ddtree_jax.spec import tree
-from ddtree_jax.spec import verify
+from ddtree_jax.speculative import decode
+from ddtree_jax.speculative import tree
+from ddtree_jax.speculative import verify
 from ddtree_jax.models import drafter as drafter_lib
 from ddtree_jax.models.attention import attend_xla
 from helpers import oracle_drafter, write_drafter, write_target

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from ddtree_jax.request import GenerateOptions, RequestError
-from ddtree_jax.spec import sampling as row_sampling
+from ddtree_jax.speculative import sampling as row_sampling
 from ddtree_jax.serving import slots
-from ddtree_jax.spec import verify
+from ddtree_jax.speculative import verify
 from ddtree_jax.models.config import ModelConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -80,7 +80,7 @@ def test_bad_sampling_settings_name_the_field(kw, field):
   target = types.SimpleNamespace(config=cfg)
   server = slots.SlotConfig(capacity=2048, max_top_k=64, sampling=not greedy_only)
   check = lambda **kw: GenerateOptions(**{"max_new_tokens": 4, **kw}).check(
-      target, None, [[1, 2]], slots=server)[1]
+      target, None, [[1, 2]], server=server.limits())[1]
   assert check().stop_token_ids == ()  # the defaults pass (this model has no eos)
   assert check(top_k=512).top_k is None  # >= the vocabulary: off
   assert check(seed=2**64 - 1, max_new_tokens=2046).seed == 2**64 - 1

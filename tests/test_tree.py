@@ -1,4 +1,4 @@
-"""Tests of ddtree_jax.spec.tree against a NumPy port of the published best-first heap."""
+"""Tests of ddtree_jax.speculative.tree against a NumPy port of the published best-first heap."""
 
 import heapq
 
@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ddtree_jax.spec import tree as tree_lib
-from ddtree_jax.spec import topk
-from ddtree_jax.spec.tree import build_tree
+from ddtree_jax.speculative import tree as tree_lib
+from ddtree_jax.speculative import topk
+from ddtree_jax.speculative.tree import build_tree
 
 build_jit = jax.jit(build_tree, static_argnums=(1, 2))
 

@@ -14,7 +14,7 @@ import ddtree_jax as dj
 from ddtree_jax import kernels, sharding
 from ddtree_jax.checkpoints import export
 from ddtree_jax.models import decoder, drafter as drafter_lib
-from ddtree_jax.spec import topk, tree, verify
+from ddtree_jax.speculative import topk, tree, verify
 from helpers import assert_accepted, oracle_drafter, write_drafter, write_target
 
 V = 97

@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax.spec import decode
-from ddtree_jax.spec.sampling import Settings, pick
+from ddtree_jax.speculative import decode
+from ddtree_jax.speculative.sampling import Settings, pick
 
 
 @functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "lc", "capacity", "sampling",

@@ -38,12 +38,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax import engine
-from ddtree_jax.spec import decode
+from ddtree_jax.speculative import decode
 from ddtree_jax.serving import programs
 from ddtree_jax.checkpoints.dflash import Drafter
 from ddtree_jax.checkpoints.hf import Target
-from ddtree_jax.request import DEFAULT_BUDGETS, MAX_BUDGET, GenerateOptions, auto_options
-from ddtree_jax.spec.sampling import Settings, seed_key_data
+from ddtree_jax.request import (DEFAULT_BUDGETS, MAX_BUDGET, GenerateOptions, ServedLimits,
+                                auto_options)
+from ddtree_jax.speculative.sampling import Settings, seed_key_data
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +56,7 @@ class SlotConfig:
   requests, while slots are free and none wait, wait up to this fraction of its time for new
   ones); sampling (False: a greedy-only program that refuses temperature > 0), the largest top_k,
   and how many of a request's stop ids the chunk checks on device. budget="auto": every step
-  chooses among `budgets` (0: AR) for the rows decoding then (`spec/auto.py`), with
+  chooses among `budgets` (0: AR) for the rows decoding then (`speculative/auto.py`), with
   `budget_costs` the seconds per step of each (None: measured at start on a batch of `slots`)."""
   method: str = "ddtree"
   budget: int | str = 16
@@ -115,6 +116,10 @@ class SlotConfig:
                            budget=self.budget if self.method == "ddtree" else None,
                            max_new_tokens=self.capacity, attention=self.attention,
                            stop_token_ids=(), **(dict(budgets=self.budgets) if auto else {}))
+
+  def limits(self) -> ServedLimits:
+    """What this server takes of a request (`GenerateOptions.check`'s `server`)."""
+    return ServedLimits(self.capacity, self.prompt_buckets[-1], self.max_top_k, self.sampling)
 
 
 class QueueFull(RuntimeError):
@@ -246,7 +251,8 @@ class SlotEngine:
              emit: Callable[[list[int], str | None], None]) -> SlotRequest:
     """Queues a request: RequestError for one this server cannot serve (`GenerateOptions.check`
     with its limits: only the per-request fields set), QueueFull when the queue is full."""
-    prompts, options = options.check(self.target, self.drafter, [prompt], slots=self.config)
+    prompts, options = options.check(self.target, self.drafter, [prompt],
+                                      server=self.config.limits())
     req = SlotRequest(prompt=prompts[0], options=options, emit=emit)
     with self.lock:
       if len(self.queue) >= self.config.max_queue:

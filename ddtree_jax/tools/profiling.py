@@ -11,7 +11,7 @@ import time
 import jax
 import numpy as np
 
-from ddtree_jax.spec import decode
+from ddtree_jax.speculative import decode
 
 
 def median_seconds(fn, *args, repeats: int = 10) -> float:

@@ -1,4 +1,4 @@
-"""budget="auto"'s choices under simulated acceptance: the chooser of `spec/auto.py` (its
+"""budget="auto"'s choices under simulated acceptance: the chooser of `speculative/auto.py` (its
 `decide`, back-off and per-row ratio, as the decode loop runs them) fed measured step times and
 accepted lengths drawn from an assumed per-budget acceptance curve, against every fixed budget
 on the same draws.
@@ -25,7 +25,7 @@ from absl import app, flags
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax.spec import auto as auto_lib
+from ddtree_jax.speculative import auto as auto_lib
 
 flags.DEFINE_string("costs", "0:4.476,16:5.453,32:5.697,64:6.134,128:7.056",
                     "ms per step by budget (0: AR), the auto options")

@@ -165,7 +165,7 @@ def main(_):
   if fr:
     print(f"median pallas time / its floor: {statistics.median(fr):.2f}")
   print(f"total wall time {time.perf_counter() - t_start:.0f} s")
-  floors.check([row for row, _ in rows])
+  floors.check([row for row, _ in rows], bw)
 
 
 if __name__ == "__main__":

@@ -63,7 +63,7 @@ import numpy as np
 from ddtree_jax import engine
 from ddtree_jax.kernels import Kernels
 from ddtree_jax.models import decoder, moe
-from ddtree_jax.spec import decode
+from ddtree_jax.speculative import decode
 from experiments.perf import common_flags, floors, harness
 
 common_flags.define("small", "prefix", "json_out", "floor_bandwidth", compile_threads=10,

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax import engine, sharding
-from ddtree_jax.spec import decode
+from ddtree_jax.speculative import decode
 from ddtree_jax.models import decoder
 from ddtree_jax.models import moe
 from ddtree_jax.kernels import KernelTuning, Kernels

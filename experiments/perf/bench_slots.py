@@ -28,8 +28,8 @@ import numpy as np
 
 from ddtree_jax import engine
 from ddtree_jax.request import default_attention
-from ddtree_jax.spec import decode
-from ddtree_jax.spec import sampling as row_sampling
+from ddtree_jax.speculative import decode
+from ddtree_jax.speculative import sampling as row_sampling
 from ddtree_jax.serving import programs as slot_programs
 from ddtree_jax.serving import slots
 from ddtree_jax.kernels import Kernels

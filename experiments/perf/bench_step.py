@@ -31,7 +31,7 @@ import jax
 import numpy as np
 
 from ddtree_jax import engine, sharding
-from ddtree_jax.spec import decode
+from ddtree_jax.speculative import decode
 from ddtree_jax.models import decoder
 from ddtree_jax.tools import profiling
 from ddtree_jax.kernels import Kernels

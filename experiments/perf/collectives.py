@@ -41,9 +41,9 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from ddtree_jax import sharding
-from ddtree_jax.spec import decode
+from ddtree_jax.speculative import decode
 from ddtree_jax.models import decoder  # noqa: E402
-from ddtree_jax.spec import tree as tree_lib  # noqa: E402
+from ddtree_jax.speculative import tree as tree_lib  # noqa: E402
 from ddtree_jax.models import drafter as drafter_lib  # noqa: E402
 from ddtree_jax.models.config import ModelConfig  # noqa: E402
 from ddtree_jax.kernels import Kernels  # noqa: E402

@@ -36,7 +36,7 @@ import jax
 from jax.experimental.topologies import get_topology_desc
 
 from ddtree_jax import engine, sharding
-from ddtree_jax.spec import decode
+from ddtree_jax.speculative import decode
 from ddtree_jax.models import decoder
 from ddtree_jax.tools import profiling
 from ddtree_jax.models import drafter as drafter_lib

@@ -20,7 +20,7 @@ import numpy as np
 from jax import lax
 
 from ddtree_jax import sharding
-from ddtree_jax.spec import auto as auto_lib, decode
+from ddtree_jax.speculative import auto as auto_lib, decode
 from ddtree_jax.models import decoder
 from ddtree_jax.tools import profiling
 from ddtree_jax.models.config import ModelConfig

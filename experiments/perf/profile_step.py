@@ -35,7 +35,7 @@ from absl import app, flags
 import jax
 
 from ddtree_jax import engine, sharding
-from ddtree_jax.spec import decode
+from ddtree_jax.speculative import decode
 from ddtree_jax.kernels import Kernels
 from experiments.perf import common_flags, harness
 from experiments.perf.trace import (KINDS, kernel_events, op_stages, print_memcpys, read_trace,

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax.spec import topk
+from ddtree_jax.speculative import topk
 
 LOGQ_FLOOR = -1e30  # finite floor for log q, so real prefixes always beat the -inf beam padding
 

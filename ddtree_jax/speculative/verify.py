@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from ddtree_jax import kernels as kernels_lib
 from ddtree_jax.models import decoder
-from ddtree_jax.spec.topk import top_k as exact_top_k, top_p_keep
+from ddtree_jax.speculative.topk import top_k as exact_top_k, top_p_keep
 
 
 def verify_tree(params, cfg, cache, tokens, depths, visibility, tap_layers=(),

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax.spec.topk import top_k as exact_top_k, top_p_keep
+from ddtree_jax.speculative.topk import top_k as exact_top_k, top_p_keep
 
 
 @jax.tree_util.register_dataclass

@@ -6,8 +6,8 @@ Every method is the same step with a different tree: AR verifies the root alone,
 
   draft -> build tree -> verify (one target forward) -> accept -> commit (target + drafter caches)
 
-budget="auto" (`auto_step`, spec/auto.py) builds the tree one budget above its last choice and
-verifies the prefix of the budget it chooses, or drafts nothing and verifies the root alone;
+budget="auto" (`auto_step`, speculative/auto.py) builds the tree one budget above its last choice
+and verifies the prefix of the budget it chooses, or drafts nothing and verifies the root alone;
 with auto_every = K > 1 the K - 1 steps after each choosing step run the chosen budget's own
 step (`auto_steps`).
 """
@@ -23,9 +23,9 @@ from jax.sharding import PartitionSpec as P
 
 from ddtree_jax.models import decoder
 from ddtree_jax import sharding
-from ddtree_jax.spec import auto as auto_lib
-from ddtree_jax.spec import tree as tree_lib
-from ddtree_jax.spec import verify
+from ddtree_jax.speculative import auto as auto_lib
+from ddtree_jax.speculative import tree as tree_lib
+from ddtree_jax.speculative import verify
 from ddtree_jax.kernels import Kernels
 
 METHODS = ("ar", "chain", "ddtree")
