@@ -180,7 +180,7 @@ class Kernels:
     quantized = quant.is_quantized(params.w_gate_up)
     most = tuning.moe_decode_quant_max if quantized else tuning.moe_decode_max
     pairs = x.shape[0] * routing.top_k
-    if pairs > most or not moe_decode.supported(params):
+    if pairs > most or not moe_decode.supported(params, x.dtype):
       return None
     return moe_decode.moe_decode(params, x, routing, weights, chosen,
                                  **moe_decode.launch(tuning, params, pairs, x.shape[1]),

@@ -58,6 +58,9 @@ ACCEPT_TESTS = ("tests/test_decode.py::test_ddtree_is_lossless",
                 "tests/test_moe.py::test_speculative_decoding_is_lossless",
                 "tests/test_mla.py::test_speculative_decoding_is_lossless")
 SAMPLING_TESTS = ("tests/test_sampling.py",)
+QUANT_DTYPE_TESTS = ("tests/test_quant_gemm.py::test_each_format_computes_in_the_dtype_asked",
+                     "tests/test_quantized_targets.py::test_float32_logits_are_the_dequantized_"
+                     "models")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +140,22 @@ MUTATIONS = (
         "    rest = filter_logits(logits[:, 1:], temperature, top_k)  # no top-p\n"
         "    filtered = filtered.at[:, 1:].set(rest)\n",
         SAMPLING_TESTS),
+    Mutation(
+        "int4_kernel_weights_in_bfloat16",
+        "the int4 expert kernels' float32 form rounds each dequantized weight to bfloat16 "
+        "before its dot (a bfloat16 product in a float32 run)",
+        "ddtree_jax/pallas/quant_gemm.py",
+        "          w = (q * scale[h]).astype(x.dtype)\n",
+        "          w = (q * scale[h]).astype(jnp.bfloat16).astype(x.dtype)\n",
+        QUANT_DTYPE_TESTS),
+    Mutation(
+        "dequantize_in_bfloat16",
+        "quant.dequantize forms fp8 weights in bfloat16 whatever dtype it is asked for "
+        "(XLA's expert form and every reference built on it)",
+        "ddtree_jax/models/quant.py",
+        "    return (w.q.astype(jnp.float32) * scale).astype(dtype)\n",
+        "    return (w.q.astype(jnp.float32) * scale).astype(jnp.bfloat16).astype(dtype)\n",
+        QUANT_DTYPE_TESTS),
 )
 
 

@@ -269,8 +269,55 @@ def test_fp8_stack_of_2_to_4_gib_is_left_to_xla():
   stack = lambda shape: quant.Fp8Experts(sds(shape, jnp.float8_e4m3fn),
                                          sds((shape[0], 56, 16), F32), (128, 128))
   assert quant_gemm.supported(stack(small)) and not quant_gemm.supported(stack(window))
-  assert moe_ops._kernel_takes(stack(small))  # pylint: disable=protected-access
-  assert not moe_ops._kernel_takes(stack(window))  # pylint: disable=protected-access
+  assert moe_ops._kernel_takes(stack(small), BF16)  # pylint: disable=protected-access
+  assert not moe_ops._kernel_takes(stack(window), BF16)  # pylint: disable=protected-access
   with pytest.raises(ValueError, match="2\\^31 to 2\\^32"):
     jax.eval_shape(quant_gemm.pair_matmul, sds((8, 7168), BF16), stack(window),
                    sds((8,), jnp.int32))
+
+
+def _rounded(w):
+  """A quantized stack's weights rounded to bfloat16, then float32: what a dequantizer that
+  multiplies in bfloat16 writes (compressed-tensors' with Kimi's bfloat16 scales)."""
+  return quant.dequantize(w, BF16).astype(F32)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "fp8"])
+@pytest.mark.parametrize("path", ["xla", "pairs", "sorted", "decode"])
+def test_each_format_computes_in_the_dtype_asked(fmt, path):
+  """INT4 in groups of 32 and FP8 in 128x128 blocks, through XLA's form, the pair and sorted
+  kernels and the decode kernel: float32 activations give the float32 dequantized layer to
+  1e-5, a tolerance that weights rounded to bfloat16 miss by 10x or more (so a bfloat16
+  product in the float32 path fails it); bfloat16 activations stay within bfloat16's rounding
+  of it."""
+  key = jax.random.key(11)
+  h, e, i, rows = 256, 6, 256, 3
+  base = moe.init_params(key, h, e, i, F32, std=0.3)
+  w = jax.random.normal(jax.random.fold_in(key, 2), (e, h, 2, i), F32) * 0.3
+  d = jax.random.normal(jax.random.fold_in(key, 3), (e, i, h), F32) * 0.3
+  pack = ((lambda a: quant.quantize_int4(a, 32)) if fmt == "int4"
+          else (lambda a: quant.quantize_fp8(a, (128, 128))))
+  params = moe.MoEParams(router=base.router, w_gate_up=pack(w), w_down=pack(d))
+  routing = moe.Routing(2, norm_topk_prob=True)
+  x = jax.random.normal(jax.random.fold_in(key, 1), (rows, h), F32)
+  weights, experts = moe.route(params, x, routing)
+  exact = moe.MoEParams(params.router, quant.dequantize(params.w_gate_up, F32),
+                        quant.dequantize(params.w_down, F32))
+  rounded = moe.MoEParams(params.router, _rounded(params.w_gate_up), _rounded(params.w_down))
+  with jax.default_matmul_precision("highest"):
+    want = moe.reference(exact, x, weights, experts)
+    off = moe.reference(rounded, x, weights, experts)
+  scale = float(np.max(np.abs(want)))
+  assert float(np.max(np.abs(off - want))) > 1e-4 * scale   # the tolerance tells them apart
+  tuning = kernels.KernelTuning(
+      moe_decode_quant_max=64 if path == "decode" else 0,
+      moe_quant_pair_max=64 if path == "pairs" else 0, moe_pair_blocks=(16, 16, 128),
+      moe_launch=((1 << 30, 8, 16, 128),), moe_decode_launch=(16, 128, 4))
+  for dtype, rel in ((F32, 1e-5), (BF16, 5e-2)):
+    xs = x.astype(dtype)
+    if path == "xla":
+      got = moe.reference(params, xs, weights.astype(dtype), experts)
+    else:
+      got = kernels.Kernels("pallas", tuning=tuning).moe(params, xs, routing=routing)
+    assert got.dtype == dtype
+    _close(got, want, rel)

@@ -2,6 +2,7 @@
 int4) and DeepSeek-V3 (block FP8). The routed experts stay quantized on the device; parity with
 HF DeepseekV3ForCausalLM run on the dequantized weights (tests/fixtures/make_hf_reference.py)."""
 
+import dataclasses
 import json
 import os
 
@@ -11,11 +12,11 @@ import numpy as np
 import pytest
 
 import ddtree_jax as dj
-from ddtree_jax import sharding
+from ddtree_jax import kernels, sharding
 from ddtree_jax.checkpoints import quantized
 from ddtree_jax.checkpoints.safetensors_io import CheckpointError, read_safetensors, write_safetensors
 from ddtree_jax.checkpoints.tensor_reader import TensorReader
-from ddtree_jax.models import quant
+from ddtree_jax.models import moe, quant
 from helpers import (assert_close_rel, assert_lossless, assert_real_drafter_lossless,
                      cached_decode_logits, copy_fixture, drafter_and_ar, load_fixture,
                      oracle_drafter)
@@ -84,6 +85,55 @@ def test_int4_unpacking_equals_compressed_tensors():
   w = target.params.layers[1].moe.w_gate_up
   got = quant.dequantize(quant.take(w, jnp.array([0])), jnp.float32)[0, :, 0, :]   # [H, I]
   np.testing.assert_array_equal(np.asarray(got).T, ref["expert_l1_e0_gate"])
+
+
+def _rounded_experts(params):
+  """params with every quantized stack replaced by its weights rounded to bfloat16 (float32
+  arrays): the model a dequantizer that multiplies in bfloat16 writes out (compressed-tensors'
+  with Kimi's bfloat16 scales, as the fixture script checks)."""
+  return jax.tree.map(lambda w: quant.dequantize(w, jnp.bfloat16).astype(jnp.float32)
+                      if quant.is_quantized(w) else w, params, is_leaf=quant.is_quantized)
+
+
+@pytest.mark.parametrize("name", [KIMI, FP8])
+def test_float32_logits_are_the_dequantized_models(name, caplog):
+  """load_target(dtype="float32") with experts kept quantized: logits within 1e-5 of HF on the
+  float32 dequantized weights, a tolerance the same model on bfloat16-rounded weights misses by
+  10x or more (about 4e-3 here). At bfloat16 the logits are the bfloat16 model's on the
+  dequantized weights (that model's own distance from HF, routing flips included, is not the
+  experts'). The load says what the experts compute in."""
+  path = os.path.join(os.path.dirname(__file__), "fixtures", "hf", name)
+  ids = jnp.asarray(np.load(os.path.join(path, "reference.npz"))["input_ids"])
+  with caplog.at_level("INFO", logger=quantized.__name__):
+    target, ref = load_fixture(name)
+  fmt = "int4 (groups of 32)" if name == KIMI else "fp8 (blocks of"
+  assert any(fmt in r.getMessage() and "products in float32" in r.getMessage()
+             for r in caplog.records), [r.getMessage() for r in caplog.records]
+  assert_close_rel(dj.forward_logits(target, ids), ref["logits"], 1e-5)
+  rounded = dataclasses.replace(target, params=_rounded_experts(target.params))
+  off = np.abs(np.asarray(dj.forward_logits(rounded, ids)) - ref["logits"])
+  assert off.max() > 1e-4 * np.abs(ref["logits"]).max()
+  low = dj.load_target(path, dtype="bfloat16")
+  floats = jax.tree.map(lambda w: quant.dequantize(w, jnp.bfloat16) if quant.is_quantized(w)
+                        else w, low.params, is_leaf=quant.is_quantized)
+  assert_close_rel(dj.forward_logits(low, ids),
+                   dj.forward_logits(dataclasses.replace(low, params=floats), ids), 1e-3)
+
+
+def test_float16_experts_run_xla_s_form_and_say_so(caplog):
+  """The Pallas expert kernels take float32 or bfloat16: at float16 the quantized experts run
+  XLA's dequantizing form (the layer still works on the Pallas kernels) and the load says so."""
+  with caplog.at_level("INFO", logger=quantized.__name__):
+    target = dj.load_target(os.path.join(os.path.dirname(__file__), "fixtures", "hf", KIMI),
+                            dtype="float16")
+  assert any("float16 through XLA's" in r.getMessage() for r in caplog.records)
+  moe_params = target.params.layers[1].moe
+  x = jax.random.normal(jax.random.key(0), (2, target.config.hidden_size), jnp.float16)
+  routing = target.config.routing
+  got = kernels.Kernels("pallas").moe(moe_params, x, routing=routing)
+  w, ex = moe.route(moe_params, x, routing)
+  assert got.dtype == jnp.float16
+  assert_close_rel(got, moe.reference(moe_params, x, w, ex), 1e-3)
 
 
 # --------------------------------------------------------------------------------------------

@@ -202,8 +202,9 @@ def load_target_params(path: str, cfg: ModelConfig, dtype, mesh=None, rules=None
 def load_target(path: str, dtype="bfloat16", mesh=None, rules=None, fuse_qkv: bool = True) -> Target:
   """Loads a Hugging Face directory of a registered family (`registry.supported()`: Qwen3 dense
   or MoE, Llama, DeepSeek-V3 / Kimi-K2, Kimi K2.5 / K2.6), safetensors only. Quantized routed
-  experts (int4 pack-quantized, block FP8) stay quantized on the device whatever `dtype`; other
-  quantized Linears are dequantised to `dtype` (`checkpoints/quantized.py`).
+  experts (int4 pack-quantized, block FP8) stay quantized on the device whatever `dtype` and
+  compute in it (logged: `quantized.compute_notice`); other quantized Linears are dequantised to
+  `dtype` (`checkpoints/quantized.py`).
 
   With a `mesh` (sharding.make_mesh) every tensor goes straight from the memory map onto its
   shards, laid out by `rules` (default sharding.ShardingRules(): tensor parallel over "tp");
@@ -221,6 +222,7 @@ def load_target(path: str, dtype="bfloat16", mesh=None, rules=None, fuse_qkv: bo
     rules = rules or sharding.DEFAULT_RULES
   params = load_target_params(path, cfg, dtype, mesh, rules,
                               fuse_qkv=mesh is None and fuse_qkv and not cfg.is_mla, raw=raw)
+  quantized.log_compute(params, dtype, path)
   return Target(params=params, config=cfg, tokenizer=load_tokenizer(path), path=path, mesh=mesh,
                 rules=rules)
 

@@ -17,8 +17,11 @@ ordering, other bit widths or group sizes) is refused naming the field.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
@@ -204,3 +207,34 @@ def host_fp8(r, name: str, t) -> np.ndarray:
   bo, bi = r.quantization.fp8_block
   full = np.repeat(np.repeat(np.asarray(scale, np.float32), bo, 0), bi, 1)
   return np.asarray(t).astype(np.float32) * full[:t.shape[0], :t.shape[1]]
+
+
+def compute_notice(params, dtype) -> str | None:
+  """What the quantized expert stacks in `params` compute in at `dtype` (None: there are none).
+  Their products are formed in `dtype` from weights dequantized in registers (float32: the
+  exact float32 products, not the bfloat16-rounded weights a bfloat16 dequantizer writes); the
+  Pallas expert kernels take float32 and bfloat16 only, so float16 runs XLA's
+  dequantize-then-GEMM form."""
+  stacks = [w for w in jax.tree.leaves(params, is_leaf=quant.is_quantized) if quant.is_quantized(w)]
+  if not stacks:
+    return None
+  names = sorted({f"int4 (groups of {w.group_size})" if isinstance(w, quant.Int4Experts)
+                  else f"fp8 (blocks of {w.block[0]}x{w.block[1]})" for w in stacks})
+  dt = jnp.dtype(dtype)
+  text = (f"{len(stacks)} routed expert stacks kept {' and '.join(names)} on the device; "
+          f"their products in {dt.name}")
+  if dt == jnp.float16:
+    text += (" through XLA's dequantize-then-GEMM form (the Pallas expert kernels take float32 "
+             "or bfloat16)")
+  elif dt == jnp.float32 and jax.default_backend() == "gpu" and (
+      str(jax.config.jax_default_matmul_precision) not in ("highest", "float32", "F32_F32_F32")):
+    text += (" at the default matmul precision, under which the Pallas kernels' float32 dots "
+             "run TF32 on the GPU (IEEE under jax_default_matmul_precision='highest')")
+  return text
+
+
+def log_compute(params, dtype, source: str) -> None:
+  """Logs `compute_notice` (at INFO) for a checkpoint just loaded from `source`."""
+  text = compute_notice(params, dtype)
+  if text:
+    logging.getLogger(__name__).info("%s: %s", source, text)

@@ -39,10 +39,10 @@ from ddtree_jax.pallas import grouped_gemm, moe_glue, quant_gemm
 F32 = jnp.float32
 
 
-def supported(params: moe.MoEParams) -> bool:
-  """Whether these kernels take the layer's stacks (float ones, or quantized ones that
-  `quant_gemm.supported` takes)."""
-  return all(not quant.is_quantized(w) or quant_gemm.supported(w)
+def supported(params: moe.MoEParams, dtype) -> bool:
+  """Whether these kernels take the layer's stacks with activations of `dtype` (float stacks,
+  or quantized ones that `quant_gemm.supported` takes)."""
+  return all(not quant.is_quantized(w) or quant_gemm.supported(w, dtype)
              for w in (params.w_gate_up, params.w_down))
 
 

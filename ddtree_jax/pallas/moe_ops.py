@@ -11,10 +11,10 @@ from ddtree_jax.models import moe, quant
 from ddtree_jax.pallas import grouped_gemm, quant_gemm
 
 
-def _kernel_takes(w) -> bool:
-  """Whether the Pallas kernels take the stack w: a float one, or a quantized one that
-  `quant_gemm` supports (XLA's form dequantizes the others)."""
-  return not quant.is_quantized(w) or quant_gemm.supported(w)
+def _kernel_takes(w, dtype) -> bool:
+  """Whether the Pallas kernels take the stack w with activations of `dtype`: a float one, or a
+  quantized one that `quant_gemm` supports (XLA's form dequantizes the others, float16 too)."""
+  return not quant.is_quantized(w) or quant_gemm.supported(w, dtype)
 
 
 def expert_ops(tuning, blocks: tuple[int, int, int] | None = None):
@@ -25,7 +25,7 @@ def expert_ops(tuning, blocks: tuple[int, int, int] | None = None):
 
   def launch(lhs, rhs):
     b = blocks or tuning.moe_blocks(lhs.shape[0])
-    if b is None or not _kernel_takes(rhs):
+    if b is None or not _kernel_takes(rhs, lhs.dtype):
       return None
     kw = dict(block_m=b[0], block_n=b[1], block_k=b[2], interpret=tuning.interpret)
     return dict(kw, swap=tuning.moe_quant_swap) if quant.is_quantized(rhs) else kw
@@ -59,13 +59,13 @@ def pair_ops(tuning, blocks: tuple[int, int, int] | None = None):
     return grouped_gemm.pair_matmul
 
   def gate_up(x, w, experts):
-    if not _kernel_takes(w):
+    if not _kernel_takes(w, x.dtype):
       return moe.xla_pair_gate_up(x, w, experts)
     return matmul(w)(x, w, experts.reshape(-1), rows_per_lhs=experts.shape[1], swiglu=True,
                      **kw)
 
   def down(a, w, experts):
-    if not _kernel_takes(w):
+    if not _kernel_takes(w, a.dtype):
       return moe.xla_pair_down(a, w, experts)
     return matmul(w)(a, w, experts.reshape(-1), **kw)
 

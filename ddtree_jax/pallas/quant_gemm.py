@@ -62,9 +62,12 @@ COMPUTE_DTYPES = (jnp.float32, jnp.bfloat16)
 DEFAULT_STAGES = {quant.Int4Experts: 3, quant.Fp8Experts: 2}
 
 
-def supported(w) -> bool:
+def supported(w, dtype=None) -> bool:
   """Whether these kernels take the quantized stack `w` (an e4m3 stack of 2^31 to 2^32 bytes
-  would be indexed with 32-bit offsets that the GPU sign-extends: module docstring)."""
+  would be indexed with 32-bit offsets that the GPU sign-extends: module docstring), and
+  activations of `dtype` where given (float32 or bfloat16: the compute dtypes)."""
+  if dtype is not None and jnp.dtype(dtype) not in map(jnp.dtype, COMPUTE_DTYPES):
+    return False
   if isinstance(w, quant.Fp8Experts):
     size = w.q.size * jnp.dtype(w.q.dtype).itemsize
     return not 2 ** 31 < size <= 2 ** 32
