@@ -345,3 +345,22 @@ def test_cpu_note_only_while_speculation_is_slower():
   assert generate.speculation_slower([row(10.0), row(8.0), row(9.9)])
   assert not generate.speculation_slower([row(10.0), row(8.0), row(13.0)])
   assert not generate.speculation_slower([row(10.0)])
+
+
+def test_demo_explains_its_figures(tmp_path):
+  """A round's cost in AR steps is tau over its speed-up; the GPU paragraph comes from a run's
+  own log (its JSON line and card), and no log gives none."""
+  rows = [{"method": "ar", "budget": None, "tau": 1.0, "tokens_per_second": 100.0,
+           "identical_to_first": True},
+          {"method": "ddtree", "budget": 32, "tau": 6.0, "tokens_per_second": 150.0,
+           "identical_to_first": True}]
+  assert generate.round_costs(rows) == "a ddtree/B=32 round cost 4.0 AR steps for 6.00 tokens"
+  run = tmp_path / "headline-2030-01-02"
+  run.mkdir()
+  (run / "demo.log").write_text("noise\n" + json.dumps({"results": rows}) + "\n")
+  (run / "gpus.txt").write_text("name, memory.total [MiB]\nNVIDIA H100 80GB HBM3, 81559 MiB\n")
+  text = generate.gpu_summary(str(run))
+  assert "NVIDIA H100 80GB HBM3 (2030-01-02" in text and "ddtree/B=32 1.50x" in text
+  assert "4.0 AR steps" in text and "identical to AR's" in text
+  assert generate.gpu_summary(str(tmp_path / "absent")) is None
+  assert os.path.exists(os.path.join(generate.GPU_RUN, "demo.log"))  # the committed run
