@@ -14,15 +14,20 @@ import numpy as np
 from ddtree_jax.speculative import decode
 
 
-def median_seconds(fn, *args, repeats: int = 10) -> float:
-  """Median wall time of fn(*args) after one warm-up call (compile excluded)."""
+def call_seconds(fn, *args, repeats: int = 10) -> list[float]:
+  """Wall times of `repeats` calls of fn(*args) after one warm-up call (compile excluded)."""
   jax.block_until_ready(fn(*args))
   times = []
   for _ in range(repeats):
     t = time.perf_counter()
     jax.block_until_ready(fn(*args))
     times.append(time.perf_counter() - t)
-  return float(np.median(times))
+  return times
+
+
+def median_seconds(fn, *args, repeats: int = 10) -> float:
+  """Median wall time of fn(*args) after one warm-up call (compile excluded)."""
+  return float(np.median(call_seconds(fn, *args, repeats=repeats)))
 
 
 def compile_stages(tparams, tcfg, dparams, dcfg, lc: decode.LoopConfig, state,

@@ -5,8 +5,8 @@ under what the card streams, and a floor drawn at too low a bandwidth is one a s
 the floors' bandwidth is the best of several probes measured in the same process: a read-only
 stream (a sum: bytes read) and a copy (c + i in place: bytes read + written), each at sizes well
 past the L2 and each many passes inside one program (a pass timed per call also counts the
-launch and the host's sync, which left the floors low enough for steps to beat). The card's datasheet
-bandwidth (`SPEC`) gives a second floor, the same on every run. A row faster than its floor is a
+launch and the host's sync, which left the floors low enough for steps to beat). The card's
+datasheet bandwidth (`SPEC`) gives a second floor, the same on every run. A row faster than its floor is a
 measuring bug: `check` fails the benchmark on it (on a card with a datasheet bandwidth).
 
   bw = floors.measure(args.small, args.floor_bandwidth)   # once, before the timed rows
@@ -17,11 +17,11 @@ measuring bug: `check` fails the benchmark on it (on a card with a datasheet ban
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import jax
 import jax.numpy as jnp
 
+from ddtree_jax.tools import profiling
 
 # (words of jax's device_kind, datasheet bytes/s), the first match wins: PCIe and NVL before SXM
 SPEC = ((("H100", "PCIe"), 2.0e12), (("H100", "NVL"), 3.9e12), (("H200",), 4.8e12),
@@ -68,17 +68,6 @@ def _label(nbytes: int) -> str:
   return f"{nbytes >> 30} GiB" if nbytes >= 1 << 30 else f"{nbytes >> 20} MiB"
 
 
-def _best_seconds(fn, x, repeats: int) -> float:
-  """The least wall time of fn(x) over `repeats` calls, after a warm-up call."""
-  jax.block_until_ready(fn(x))
-  times = []
-  for _ in range(repeats):
-    t = time.perf_counter()
-    jax.block_until_ready(fn(x))
-    times.append(time.perf_counter() - t)
-  return min(times)
-
-
 def probe(nbytes: int, passes: int = 16, repeats: int = 5) -> dict:
   """{"read SIZE": bytes/s, "copy SIZE": bytes/s} of a bf16 array of nbytes on the default
   device: the float32 sum of x * i (counted: the bytes read) and c <- c + i (read + written in
@@ -90,8 +79,9 @@ def probe(nbytes: int, passes: int = 16, repeats: int = 5) -> dict:
   read = jax.jit(lambda a: jax.lax.fori_loop(
       0, passes, lambda i, acc: acc + jnp.sum(a * scale(i), dtype=jnp.float32), jnp.float32(0)))
   copy = jax.jit(lambda a: jax.lax.fori_loop(0, passes, lambda i, c: c + scale(i), a))
-  out = {f"read {_label(nbytes)}": passes * nbytes / _best_seconds(read, x, repeats),
-         f"copy {_label(nbytes)}": passes * 2 * nbytes / _best_seconds(copy, x, repeats)}
+  best = lambda fn: min(profiling.call_seconds(fn, x, repeats=repeats))
+  out = {f"read {_label(nbytes)}": passes * nbytes / best(read),
+         f"copy {_label(nbytes)}": passes * 2 * nbytes / best(copy)}
   x.delete()  # the card also holds the model under test
   return out
 
