@@ -3,10 +3,10 @@ and each compiled budget's measured step time (docs/design.md §5).
 
 DDTree's tree for budget B is the first B + 1 nodes of the tree for any larger budget (best-first
 order, parents first), so one tree gives every budget up to its own. A drafted step builds the
-tree one budget above the last one chosen (the `tier`; the smallest drafted budget at first), so
-a step pays for the tree it may use while the choice can still climb a budget per step. Under
-the draft
-a node's path is accepted with probability exp(score), the product of its tokens' draft
+tree one budget above the last one chosen (the `tier`; the largest drafted budget at first, so
+the first choice sees every option rather than climbing to the best a budget per step), so a
+step pays for the tree it may use while the choice can still climb a budget per step. Under the
+draft a node's path is accepted with probability exp(score), the product of its tokens' draft
 probabilities; the expected accepted drafts of budget B are the sum of that over its B nodes
 (`expected_accepted`). Drafts are over-confident, so each row scales its expectation by the ratio
 of the drafts it had accepted to those expected so far (`ratio`). A step then takes the option
@@ -52,13 +52,13 @@ class AutoState:
 
   @classmethod
   def init(cls, cost, batch: int, steps: int, drafted: int) -> AutoState:
-    """`drafted` budgets above 0 among the options; the first tree has the smallest (a draft that
-    earns more climbs a budget per step)."""
+    """`drafted` budgets above 0 among the options; the first tree has the largest (its choice
+    weighs every option; later trees are one budget above the last choice)."""
     return cls(cost=jnp.asarray(cost, jnp.float32), expected=jnp.zeros((batch,), jnp.float32),
                accepted=jnp.zeros((batch,), jnp.float32), skip=jnp.zeros((), jnp.int32),
                backoff=jnp.ones((), jnp.int32), chosen=jnp.zeros((steps,), jnp.int32),
                predicted=jnp.zeros((steps, batch), jnp.float32),
-               tier=jnp.zeros((), jnp.int32))
+               tier=jnp.asarray(max(drafted - 1, 0), jnp.int32))
 
   def partition_specs(self, axes) -> AutoState:
     bt = axes("batch", self.expected.shape[0], "batch")

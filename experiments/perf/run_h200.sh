@@ -33,6 +33,8 @@
 #   experiments/perf/run_h200.sh pair_drafter OUT  # a new drafter for the target in .pair/
 #   experiments/perf/run_h200.sh hybrid OUT   # Qwen3.5-9B shape, the tree's recurrent part
 #   experiments/perf/run_h200.sh hybrid_moe OUT  # Qwen3.6-35B-A3B shape
+#   SHAPES=qwen3-30b-a3b experiments/perf/run_h200.sh auto_shapes OUT  # budget="auto" vs fixed
+#                                             # budgets under the benchmark drafter (~450 s a shape)
 #
 # bench_matrix compiles each batch's programs 8 at a time (configs/bench_matrix.py
 # compile_threads); bench_step compiles serially. experiments/perf/compile_offline.py checks compile
@@ -371,7 +373,15 @@ EOF
       --config.out_dir="$out/m8b" >"$out/m8b.log" 2>&1
     tar -C "$out" -czf "$out/m8b.tgz" m8b 2>/dev/null && rm -r "$out/m8b"
     ;;
-  *) echo "usage: $0 compile|step|step8|spec|quick|goals|results|int8|profile|profile_tp|kernel|sweep|gemm|tp|matrix|temperature|m8b|moe|moe_pairs|moe_decode|moe_fused|moe_loop|target_sweep|pair_target|pair_rest|pair_drafter|hybrid|hybrid_moe|mla|mla8k|latent|kimi OUT" >&2
+  auto_shapes)  # bench_auto at batch 1 and 8 for each of SHAPES (default the Qwen3-8B shape),
+                # after the floors' bandwidth probe (its rows in floors.log)
+    timeout 60 $py -c "from experiments.perf import floors; print(floors.measure())" \
+      >"$out/floors.log" 2>&1
+    for s in ${SHAPES:-qwen3-8b}; do
+      timeout "${AUTO_S:-540}" $py -m experiments.perf.bench_auto --shapes="$s" \
+        --batches="${BATCHES:-1,8}" --json_out="$out/auto_$s.jsonl" >"$out/auto_$s.log" 2>&1
+    done ;;
+  *) echo "usage: $0 compile|step|step8|spec|quick|goals|results|int8|profile|profile_tp|kernel|sweep|gemm|tp|matrix|temperature|m8b|moe|moe_pairs|moe_decode|moe_fused|moe_loop|target_sweep|pair_target|pair_rest|pair_drafter|hybrid|hybrid_moe|auto_shapes|mla|mla8k|latent|kimi OUT" >&2
      exit 2 ;;
 esac
 ls -la "$out"
