@@ -5,7 +5,7 @@ PY312 := $(shell if python3.12 --version >/dev/null 2>&1; then command -v python
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: venv test demo serve clean train train-smoke eval-default bench bench-smoke eval-coding notebook
+.PHONY: venv test test-fast demo serve clean train train-smoke eval-default bench bench-smoke eval-coding notebook
 
 $(VENV)/.created:
 	@test -x "$(PY312)" || (echo "need Python 3.12 (python3.12 on PATH or under pyenv root)"; exit 1)
@@ -22,6 +22,12 @@ venv: $(VENV)/.installed-test
 
 test: $(VENV)/.installed-test
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25 tests
+
+# The inner loop (a few minutes): the tree, the model and drafter, the decode loop's losslessness,
+# requests, the registry, edge cases, the benchmark drafter and floors. `make test` runs all.
+FAST := tree model drafter decode request registry edges benchmark_drafter floors
+test-fast: $(VENV)/.installed-test
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=10 $(FAST:%=tests/test_%.py)
 
 demo: $(VENV)/.installed-core
 	$(PY) -m experiments.generate --config=configs/default.py
