@@ -12,7 +12,7 @@ at a reference continuation, the target's own AR output:
 A chain is accepted position by position with probability `accept`; a tree's siblings catch the
 true token at ranks 1.. . The draws hash (row, position, seed), so every method and budget meets
 the same draws at the same positions. Runs with it measure speed at a chosen acceptance, never a
-drafter's quality, and say so (`BenchmarkDrafterConfig.describe`).
+drafter's quality, and say so (`experiments/perf/bench_auto.py`).
 
 With random bf16 weights the target's top two logits are nearly tied, so a tree's verify and an AR
 step round to different tokens within a position or two (docs/findings/
@@ -99,11 +99,6 @@ class BenchmarkDrafterConfig(DrafterConfig):
 
   def vocab(self, params):
     return None  # the drafts cover the whole vocabulary
-
-  def describe(self, params) -> str:
-    return (f"benchmark drafter (drafts the target's AR output, first candidate right with "
-            f"probability {float(params.accept):.2f}, draft confidence "
-            f"{float(params.confidence):.2f}; not a trained drafter)")
 
 
 def benchmark_drafter(drafter, prompts, continuations, accept: float,
