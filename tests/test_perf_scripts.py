@@ -273,3 +273,24 @@ def test_auto_paper_picks_the_budget_the_costs_favour():
   assert int(steps["AR"]) > 2 * sum(int(n) for b, n in steps.items() if b != "AR"), row
   code, text = run_script("auto_paper", "--costs=0:1,16", ok=False)
   assert code != 0 and "--costs: budget:value pairs" in text
+
+
+def test_bench_serve_auto_smoke_rows(tmp_path):
+  """experiments/perf/bench_serve_auto.py on CPU: a row per (run, level, concurrency), every
+  request's tokens AR's and on the planted path, auto's steps recorded by budget."""
+  out = tmp_path / "rows.jsonl"
+  _, text = run_script("bench_serve_auto", "--smoke", "--concurrency=1,2",
+                       "--levels=none:0:0.5,high:0.95", f"--json_out={out}")
+  rows = read_rows(out)
+  assert {(r["run"], r["level"], r["concurrency"]) for r in rows} == {
+      ("ar", "-", 1), ("ar", "-", 2), *((run, level, c) for run in ("4", "auto")
+                                        for level in ("none", "high") for c in (1, 2))}
+  for r in rows:
+    assert r["divergent"] == 0 and r["planted"] == 1.0 and r["tokens_per_second"] > 0, r
+    assert r["requests"] == r["concurrency"]
+  for r in rows:
+    if r["run"] == "auto":
+      assert sum(r["chosen"].values()) == r["steps"] and set(r["chosen"]) <= {"0", "4"}, r  # JSON keys
+    if r["run"] == "4":
+      assert (r["tau"] == 1.0) == (r["level"] == "none"), r
+  assert "benchmark drafter" in text and "auto/best" in text

@@ -191,9 +191,10 @@ class SlotEngine:
     cfg = self.config
     if not self.lc.budgets or cfg.budget_costs is not None:
       return cfg.budget_costs
+    n = max(1, min(16, (cfg.capacity + 1) // 2))  # prompt and new tokens within capacity
     costs = engine.budget_costs(
-        self.target, [[0] * 16] * cfg.slots, drafter=self.drafter, budgets=cfg.budgets,
-        max_new_tokens=16, cache_capacity=cfg.capacity, attention=cfg.attention,
+        self.target, [[0] * n] * cfg.slots, drafter=self.drafter, budgets=cfg.budgets,
+        max_new_tokens=n, cache_capacity=cfg.capacity, attention=cfg.attention,
         stop_token_ids=())
     return tuple(costs[b] for b in cfg.budgets)
 

@@ -8,11 +8,12 @@ benchmark_drafter.py`): the target is a random one of the shape with a planted g
 layers compute on random weights; its next token after x is perm(x) by a margin bf16 keeps), and
 the drafter is the benchmark drafter: a random DFlash drafter of the usual shape (5 layers, block
 16) whose forward runs every step and whose logits are then replaced by a calibrated guess at the
-target's AR output, right at the first candidate with probability ACCEPT per position. Each
+planted path, right at the first candidate with probability ACCEPT per position. Each
 --levels entry NAME:ACCEPT[:CONFIDENCE] is one such drafter (CONFIDENCE: what the draft claims,
 default ACCEPT; `none:0:0.5` is a drafter that is never right and does not know it).
 
-Per shape and batch: one AR run gives the reference, then per level every fixed budget and
+Per shape and batch: one AR run gives the reference (and checks that the target follows its
+planted path: `planted` in the table's title), then per level every fixed budget and
 budget="auto" (its options and auto_every as given; its costs measured once per process, as
 `generate` does), each timed --repeats times after a warm-up (median decode tokens/s). Every
 output is compared with AR's. Prints one table per shape and batch, and each row as a JSON line.
@@ -21,22 +22,19 @@ output is compared with AR's. Prints one table per shape and batch, and each row
 from __future__ import annotations
 
 import collections
-import dataclasses
 
 from absl import app, flags
 import jax
 import numpy as np
 
 import ddtree_jax as dj
-from ddtree_jax.checkpoints import dflash, hf
 from ddtree_jax.tools import benchmark_drafter as bench_drafter
-from experiments.perf import common_flags, harness
+from experiments.perf import common_flags, harness, planted
 
 common_flags.define("small", "smoke", "json_out", repeats=3, compile_threads=8)
 flags.DEFINE_string("shapes", "qwen3-8b,qwen3-30b-a3b", "target shapes (harness.SHAPES)")
 flags.DEFINE_string("batches", "1,8", "batch sizes")
-flags.DEFINE_string("levels", "none:0:0.5,low:0.6,paper:0.9,high:0.95",
-                    "benchmark drafters NAME:ACCEPT[:CONFIDENCE]")
+planted.define_levels()
 flags.DEFINE_string("budgets", "8,16,32,64", "fixed DDTree budgets")
 flags.DEFINE_string("auto_budgets", "0,8,16,32,64", "budget='auto''s options (0: AR)")
 flags.DEFINE_integer("auto_every", 1, "budget='auto' chooses every this many steps")
@@ -47,45 +45,6 @@ flags.DEFINE_integer("seed", 0, "weights, prompts and the drafts' draws")
 FLAGS = flags.FLAGS
 SMOKE = dict(small=True, prompt_len=24, max_new_tokens=24, repeats=1, batches="1,2",
              compile_threads=2, budgets="4,16", auto_budgets="0,4,16")
-
-
-@dataclasses.dataclass(frozen=True)
-class Level:
-  name: str
-  accept: float
-  confidence: float
-
-
-def parse_levels(text: str) -> list[Level]:
-  out = []
-  for item in filter(None, (s.strip() for s in text.split(","))):
-    parts = item.split(":")
-    try:
-      if len(parts) not in (2, 3):
-        raise ValueError("give NAME:ACCEPT or NAME:ACCEPT:CONFIDENCE")
-      accept = float(parts[1])
-      confidence = float(parts[2]) if len(parts) == 3 else accept
-    except ValueError as e:
-      raise app.UsageError(f"--levels entry {item!r}: {e}") from e
-    if not (0 <= accept <= 1 and 0 <= confidence <= 1):
-      raise app.UsageError(f"--levels entry {item!r}: ACCEPT and CONFIDENCE must be in [0, 1]")
-    out.append(Level(parts[0], accept, confidence))
-  if not out:
-    raise app.UsageError("--levels is empty")
-  return out
-
-
-def models(shape: str, small: bool, dtype: str, seed: int):
-  """(planted random target, random DFlash drafter) of `shape`."""
-  cfg = harness.target_config(small, shape)
-  params = harness.random_target(cfg, jax.random.key(seed), dtype=hf.parse_dtype(dtype))
-  target = hf.Target(params=params, config=cfg, tokenizer=None, path=f"random:{shape}",
-                     mesh=None, rules=None)
-  target = bench_drafter.planted_target(target, seed)
-  dcfg = harness.drafter_config(cfg, small)
-  dparams = harness.random_drafter_params(cfg, dcfg, jax.random.key(seed + 1),
-                                          params.embed.dtype)
-  return target, dflash.Drafter(params=dparams, config=dcfg, path="random")
 
 
 def runs(args) -> list[tuple[str, int | str]]:
@@ -126,7 +85,8 @@ def name(budget) -> str:
   return "auto" if budget == "auto" else f"B={budget}"
 
 
-def bench(args, target, drafter, shape: str, batch: int, levels: list[Level], rows) -> None:
+def bench(args, target, drafter, successor, shape: str, batch: int, levels: list[planted.Level],
+          rows) -> None:
   rng = np.random.default_rng(args.seed)
   prompts = [rng.integers(0, target.config.vocab_size, args.prompt_len).tolist()
              for _ in range(batch)]
@@ -137,10 +97,11 @@ def bench(args, target, drafter, shape: str, batch: int, levels: list[Level], ro
               max_new_tokens=args.max_new_tokens, drafter="benchmark")
   common_flags.keep_row(rows, dict(base, level="-", accept=None, run="ar",
                                    tokens_per_second=ar_tps, tau=1.0,
-                                   step_ms=step_ms(ar, ar_tps)), args.json_out)
+                                   step_ms=step_ms(ar, ar_tps),
+                                   planted=planted.on_path(prompts, ar.tokens, successor)), args.json_out)
   for i, level in enumerate(levels):
-    d = bench_drafter.benchmark_drafter(drafter, prompts, ar.tokens, level.accept,
-                                        level.confidence, seed=args.seed)
+    d = bench_drafter.benchmark_drafter(drafter, successor, level.accept, level.confidence,
+                                        seed=args.seed)
     if i == 0:  # one program per run: the levels differ in traced values only
       dj.compile_many(target, [(prompts, kwargs(args, m, b, d)) for m, b in runs(args)],
                       args.compile_threads)
@@ -158,16 +119,14 @@ def bench(args, target, drafter, shape: str, batch: int, levels: list[Level], ro
 
 
 def print_tables(args, rows) -> None:
-  print("\n(drafter: the benchmark drafter, a random drafter's forward with its logits replaced "
-        "by a calibrated guess at the target's AR output; target: random weights with a planted "
-        "greedy path. These tables time speculation at a set acceptance; they say nothing of a "
-        "trained drafter's.)")
+  print(f"\n({planted.NOTE})")
   fixed = [name(b) for m, b in runs(args) if b != "auto"]
   for (shape, batch) in dict.fromkeys((r["shape"], r["batch"]) for r in rows):
     cell = [r for r in rows if r["shape"] == shape and r["batch"] == batch]
     ar = next(r for r in cell if r["run"] == "ar")
     print(f"\n{shape}, batch {batch}, {ar['dtype']}, {ar['prompt_len']}-token prompts, "
-          f"{ar['max_new_tokens']} new tokens: tokens/s (tau); AR {ar['tokens_per_second']:.1f}")
+          f"{ar['max_new_tokens']} new tokens: tokens/s (tau); AR {ar['tokens_per_second']:.1f}; "
+          f"planted {100 * ar['planted']:.0f}%")
     print(f"{'level':<8}{'accept':>7}" + "".join(f"{f:>15}" for f in fixed)
           + f"{'auto':>15}{'auto/best':>10}{'auto/worst':>11}{'auto/AR':>8}{'div':>5}{'over us':>8}"
           + "  auto's steps")
@@ -184,18 +143,19 @@ def print_tables(args, rows) -> None:
             + ", ".join(f"{'AR' if b == 0 else b} x{n}" for b, n in a["chosen"].items()))
   print("(tokens/s: median of the timed runs, compile excluded; div: sequences whose tokens "
         "differ from AR's, over every run of the level; over us: auto's step less the fixed "
-        "programs' steps of the budgets it chose, the chooser's cost per step)")
+        "programs' steps of the budgets it chose, the chooser's cost per step; planted: AR's tokens "
+        "that follow the planted path, which the drafts follow)")
 
 
 def main(_):
   args = common_flags.start(SMOKE)
-  levels = parse_levels(args.levels)
+  levels = planted.parse_levels(args.levels)
   rows = []
   print(f"device: {jax.devices()[0].device_kind}; drafter: benchmark (not trained)", flush=True)
   for shape in filter(None, (s.strip() for s in args.shapes.split(","))):
-    target, drafter = models(shape, args.small, args.dtype, args.seed)
+    target, drafter, successor = planted.models(shape, args.small, args.dtype, args.seed)
     for batch in harness.ints(args.batches):
-      bench(args, target, drafter, shape, batch, levels, rows)
+      bench(args, target, drafter, successor, shape, batch, levels, rows)
     del target, drafter  # the next shape's weights need the memory
   print_tables(args, rows)
 

@@ -35,6 +35,8 @@
 #   experiments/perf/run_h200.sh hybrid_moe OUT  # Qwen3.6-35B-A3B shape
 #   SHAPES=qwen3-30b-a3b experiments/perf/run_h200.sh auto_shapes OUT  # budget="auto" vs fixed
 #                                             # budgets under the benchmark drafter (~450 s a shape)
+#   SHAPE=qwen3-8b RUNS=ar,16,32,auto experiments/perf/run_h200.sh serve_auto OUT  # the server's
+#                                             # auto at concurrency 1..32 (CONCURRENCY, LEVELS)
 #
 # bench_matrix compiles each batch's programs 8 at a time (configs/bench_matrix.py
 # compile_threads); bench_step compiles serially. experiments/perf/compile_offline.py checks compile
@@ -381,7 +383,14 @@ EOF
       timeout "${AUTO_S:-540}" $py -m experiments.perf.bench_auto --shapes="$s" \
         --batches="${BATCHES:-1,8}" --json_out="$out/auto_$s.jsonl" >"$out/auto_$s.log" 2>&1
     done ;;
-  *) echo "usage: $0 compile|step|step8|spec|quick|goals|results|int8|profile|profile_tp|kernel|sweep|gemm|tp|matrix|temperature|m8b|moe|moe_pairs|moe_decode|moe_fused|moe_loop|target_sweep|pair_target|pair_rest|pair_drafter|hybrid|hybrid_moe|auto_shapes|mla|mla8k|latent|kimi OUT" >&2
+  serve_auto)  # bench_serve_auto: the slot server's budget="auto" vs its fixed budgets at
+                # concurrency 1..32 on SHAPE (default the Qwen3-8B shape) under the benchmark drafter
+    timeout "${AUTO_S:-540}" $py -m experiments.perf.bench_serve_auto --shape="${SHAPE:-qwen3-8b}" \
+      --runs="${RUNS:-ar,8,16,32,64,auto}" --concurrency="${CONCURRENCY:-1,4,16,32}" \
+      --levels="${LEVELS:-none:0:0.5,low:0.6,paper:0.9,high:0.95}" \
+      --auto_costs="${AUTO_COSTS:-measure}" --json_out="$out/serve_auto.jsonl" \
+      >"$out/serve_auto.log" 2>&1 ;;
+  *) echo "usage: $0 compile|step|step8|spec|quick|goals|results|int8|profile|profile_tp|kernel|sweep|gemm|tp|matrix|temperature|m8b|moe|moe_pairs|moe_decode|moe_fused|moe_loop|target_sweep|pair_target|pair_rest|pair_drafter|hybrid|hybrid_moe|auto_shapes|serve_auto|mla|mla8k|latent|kimi OUT" >&2
      exit 2 ;;
 esac
 ls -la "$out"
