@@ -263,9 +263,10 @@ def test_bad_auto_settings_name_the_field(dense, kw, field):
 
 
 def test_ar_steps_advance_the_drafters_context(dense):
-  """Steps that verify the root alone (AR chosen, or backing off without a draft) still commit
-  the root's features to the drafter's cache: after a run of AR steps and drafted steps, its
-  rows equal those of one prefill over the committed tokens."""
+  """Steps that verify the root alone (backing off without a draft) hold the root's features,
+  and the next drafted step commits them to the drafter's cache: after a run of AR steps and
+  drafted steps (and the features still held at its end committed), the cache's rows equal
+  those of one prefill over the committed tokens."""
   target, drafter, ar = dense
   oracle = oracle_drafter(drafter, PROMPTS, [a[:M] for a in ar])
   kw = dict(method="ddtree", drafter=oracle, budget="auto", budgets=BUDGETS,
@@ -275,7 +276,10 @@ def test_ar_steps_advance_the_drafters_context(dense):
   state = decode.decode_loop(target.params, oracle.params, state, tcfg=target.config,
                              dcfg=oracle.config, lc=lc)
   chosen = np.asarray(state.auto.chosen[:int(state.step)])
-  assert 0 in chosen and chosen.max() > 0, chosen
+  assert state.auto.holds and 0 in chosen and chosen.max() > 0, chosen
+  resumed = np.flatnonzero((chosen[:-1] == 0) & (chosen[1:] > 0))
+  assert resumed.size, chosen  # a drafted step after undrafted ones committed what they held
+  state = decode._commit_held(oracle.params, oracle.config, state)  # what the end still held
   lens = np.asarray(state.cache.lens)
   np.testing.assert_array_equal(np.asarray(state.draft_cache.lens), lens)
   committed = [p + a[:n - len(p)] for p, a, n in zip(PROMPTS, ar, lens)]

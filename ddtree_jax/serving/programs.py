@@ -47,7 +47,8 @@ def insert(state: decode.DecodeState, one: decode.DecodeState, slot):
   if auto is not None:  # the row's ratio starts afresh; the choices stay the batch's
     auto = dataclasses.replace(auto, expected=put(auto.expected, one.auto.expected, 0),
                                accepted=put(auto.accepted, one.auto.accepted, 0),
-                               predicted=put(auto.predicted, one.auto.predicted, 1))
+                               predicted=put(auto.predicted, one.auto.predicted, 1),
+                               held=put(auto.held, one.auto.held, 0))  # the old row's: dropped
   return dataclasses.replace(
       state, cache=cache(state.cache, one.cache), auto=auto,
       draft_cache=None if state.draft_cache is None else cache(state.draft_cache,

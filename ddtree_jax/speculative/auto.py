@@ -21,8 +21,10 @@ bigger tree would not change it: the choice is below the tree's budget, or the t
 largest), the next `skip` steps verify the root alone without drafting: as many steps as the cheapest drafted
 budget costs AR steps, times a back-off that doubles while AR keeps winning (up to MAX_BACKOFF),
 so a drafter that is never accepted costs about one drafted step's extra time in MAX_BACKOFF
-steps. The drafter's context advances on those steps too (the root's features are committed as
-on any step), so drafting resumes where it stopped.
+steps. Those steps hold the root's target features (`held_taps`) instead of running the
+drafter's context projection each step (its kernels would cost an undrafted step more than AR's
+own on a launch-bound device); the next drafted step commits them in one pass before it drafts,
+so drafting resumes where it stopped. A back-off skips at most HELD steps.
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-MAX_BACKOFF = 32   # the longest run of AR steps before drafting again
+MAX_BACKOFF = 32   # the longest run of AR steps before drafting again, in units of a drafted
+                   # step's cost in AR steps
+HELD = 128         # the most undrafted steps whose features wait for the drafter's context
 PRIOR = 1.0        # pseudo-counts of the ratio: one expected draft, accepted
 
 
@@ -49,21 +53,44 @@ class AutoState:
   chosen: jax.Array      # [M] int32: each step's budget (0: AR)
   predicted: jax.Array   # [M, B] float32: each step's expected accepted drafts (0 undrafted)
   tier: jax.Array        # [] int32: which drafted budget the next drafted step's tree has
+  held_taps: jax.Array   # [B, HELD, D]: target features of undrafted steps, not yet in the
+                         # drafter's context (D = 0: none held, each step commits its own)
+  held: jax.Array        # [B] int32: how many of them each row holds
 
   @classmethod
-  def init(cls, cost, batch: int, steps: int, drafted: int) -> AutoState:
+  def init(cls, cost, batch: int, steps: int, drafted: int, taps_dim: int = 0,
+           taps_dtype=jnp.float32) -> AutoState:
     """`drafted` budgets above 0 among the options; the first tree has the largest (its choice
-    weighs every option; later trees are one budget above the last choice)."""
+    weighs every option; later trees are one budget above the last choice). taps_dim: the
+    drafter's feature width, when undrafted steps hold their features (`hold`)."""
     return cls(cost=jnp.asarray(cost, jnp.float32), expected=jnp.zeros((batch,), jnp.float32),
                accepted=jnp.zeros((batch,), jnp.float32), skip=jnp.zeros((), jnp.int32),
                backoff=jnp.ones((), jnp.int32), chosen=jnp.zeros((steps,), jnp.int32),
                predicted=jnp.zeros((steps, batch), jnp.float32),
-               tier=jnp.asarray(max(drafted - 1, 0), jnp.int32))
+               tier=jnp.asarray(max(drafted - 1, 0), jnp.int32),
+               held_taps=jnp.zeros((batch, HELD if taps_dim else 0, taps_dim), taps_dtype),
+               held=jnp.zeros((batch,), jnp.int32))
 
   def partition_specs(self, axes) -> AutoState:
     bt = axes("batch", self.expected.shape[0], "batch")
     return AutoState(cost=P(), expected=P(bt), accepted=P(bt), skip=P(), backoff=P(),
-                     chosen=P(), predicted=P(None, bt), tier=P())
+                     chosen=P(), predicted=P(None, bt), tier=P(), held_taps=P(bt, None, None),
+                     held=P(bt))
+
+  @property
+  def holds(self) -> bool:
+    """Whether undrafted steps hold their features (static)."""
+    return self.held_taps.shape[1] > 0
+
+
+def hold(auto: AutoState, taps, count) -> AutoState:
+  """An undrafted step's root features taps [B, D] appended to each row that committed it
+  (count [B]: 1, or 0 for a row that is done)."""
+  b = taps.shape[0]
+  at = jnp.where(count > 0, auto.held, HELD)  # out of range: dropped
+  held_taps = auto.held_taps.at[jnp.arange(b), at].set(taps.astype(auto.held_taps.dtype),
+                                                       mode="drop")
+  return dataclasses.replace(auto, held_taps=held_taps, held=auto.held + (count > 0))
 
 
 def expected_accepted(scores, budgets: tuple[int, ...]):
@@ -125,7 +152,8 @@ def after_step(auto: AutoState, step, budget, predicted, accepted, live, back_of
   drafted = budget > 0
   took = jnp.where(live & drafted, 1.0, 0.0)
   unit = jnp.ceil(jnp.min(auto.cost[1:]) / auto.cost[0]).astype(jnp.int32)
-  skip = jnp.where(drafted, jnp.where(back_off, auto.backoff * jnp.maximum(unit, 1), 0),
+  skip = jnp.where(drafted, jnp.where(back_off, jnp.minimum(auto.backoff * jnp.maximum(unit, 1),
+                                                           HELD), 0),
                    jnp.maximum(auto.skip - 1, 0))
   backoff = jnp.where(drafted, jnp.where(back_off, jnp.minimum(2 * auto.backoff, MAX_BACKOFF), 1),
                       auto.backoff)

@@ -211,24 +211,36 @@ def auto_step(tparams, tcfg, dparams, dcfg, lc: LoopConfig, state: DecodeState,
   """`step` with budget="auto": while backing off, verify the root alone without drafting; else
   draft, build the tree at the tier's budget (one above the last choice), verify the prefix of
   the budget up to it of the most expected tokens per second (`auto.choose`), and back off when
-  AR (budget 0, if among lc.budgets) would be worth more (`auto.ar_wins`). Both commit the
-  drafter's context."""
+  AR (budget 0, if among lc.budgets) would be worth more (`auto.ar_wins`). An undrafted step
+  holds its root's features for the drafter's context (`auto.hold`, unless auto_every > 1); the
+  next drafted step commits them before it drafts."""
   key, pick_key = _split_key(state.key)
   auto, live = state.auto, ~state.done
 
   has_ar = int(lc.budgets[0] == 0)  # options 0.. : AR (if any), then the drafted budgets
   drafted_budgets = lc.budgets[has_ar:]
 
-  def verify_commit(tree, budget, predicted, back_off, tier=None):
+  if auto.holds:  # a step about to draft first commits the features undrafted steps held
+    state = jax.lax.cond((auto.skip == 0) & jnp.any(auto.held > 0),
+                         lambda s: _commit_held(dparams, dcfg, s), lambda s: s, state)
+    auto = state.auto
+
+  def verify_commit(tree, budget, predicted, back_off, tier=None, held=False):
     post, pending, taps = verify_and_pick(tparams, tcfg, dcfg, lc, state, tree, pick_key, pick)
     path, tau, emitted = verify.accept(tree.tokens, tree.parents, tree.depths, tree.visibility,
                                        post, lc.num_drafts)
-    new = _advance(lc, dparams, dcfg, state, pending, taps, path, emitted, tau, key)
+    base = dataclasses.replace(state, draft_cache=None) if held else state
+    new = _advance(lc, dparams, dcfg, base, pending, taps, path, emitted, tau, key)
+    now = auto
+    if held:  # the root's features wait for the next drafted step (auto.hold)
+      new = dataclasses.replace(new, draft_cache=state.draft_cache)
+      now = auto_lib.hold(auto, taps[:, 0], new.n_out - state.n_out)
     return dataclasses.replace(new, auto=auto_lib.after_step(
-        auto, state.step, jnp.int32(budget), predicted, tau - 1, live, back_off, tier))
+        now, state.step, jnp.int32(budget), predicted, tau - 1, live, back_off, tier))
 
   def root_only(_):
-    return verify_commit(_root_tree(state.bonus), 0, jnp.zeros_like(auto.expected), False)
+    return verify_commit(_root_tree(state.bonus), 0, jnp.zeros_like(auto.expected), False,
+                         held=auto.holds)
 
   def tier(t, logits):
     """The step with the tree of drafted_budgets[t]: options up to it."""
@@ -250,6 +262,18 @@ def auto_step(tparams, tcfg, dparams, dcfg, lc: LoopConfig, state: DecodeState,
     return jax.lax.switch(auto.tier, [tier(t, logits) for t in range(len(drafted_budgets))])
 
   return jax.lax.cond(auto.skip > 0, root_only, drafted, None) if has_ar else drafted(None)
+
+
+def _commit_held(dparams, dcfg, state: DecodeState) -> DecodeState:
+  """The features that undrafted steps held (`auto_lib.hold`) committed to the drafter's context
+  in one pass, at the positions after its committed rows."""
+  auto, cache = state.auto, state.draft_cache
+  b, w = auto.held.shape[0], auto.held_taps.shape[1]
+  at = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w))
+  dk, dv = dcfg.context(dparams, auto.held_taps, cache.lens[:, None] + at)
+  cache = decoder.commit(cache, decoder.Pending(dk, dv), at, auto.held)
+  return dataclasses.replace(state, draft_cache=cache, auto=dataclasses.replace(
+      auto, held=jnp.zeros_like(auto.held)))
 
 
 def auto_steps(tparams, tcfg, dparams, dcfg, lc: LoopConfig, state: DecodeState,
@@ -316,8 +340,13 @@ def prefill_with(pick, tparams, dparams, tokens, lens, key, cost=None, *, tcfg, 
       cache=cache, draft_cache=draft_cache, bonus=first,
       out=jnp.zeros((b, m), jnp.int32).at[:, 0].set(first), n_out=jnp.ones((b,), jnp.int32),
       done=done, accepted=jnp.zeros((m, b), jnp.int32), step=jnp.zeros((), jnp.int32), key=key,
-      auto=auto_lib.AutoState.init(jnp.ones(len(lc.budgets)) if cost is None else cost, b, m,
-                                   sum(x > 0 for x in lc.budgets)) if lc.budgets else None)
+      auto=auto_lib.AutoState.init(
+          jnp.ones(len(lc.budgets)) if cost is None else cost, b, m,
+          sum(x > 0 for x in lc.budgets),
+          # undrafted steps hold their features when every step is auto_step's
+          taps_dim=taps.shape[-1] if dcfg is not None and lc.auto_every == 1 else 0,
+          taps_dtype=taps.dtype if dcfg is not None else jnp.float32)
+      if lc.budgets else None)
   return sharding.constrain(state, lc.mesh, lc.rules)
 
 

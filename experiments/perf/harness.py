@@ -336,8 +336,11 @@ class Case:
         n_out=jnp.ones((b,), jnp.int32), done=jnp.zeros((b,), bool),
         accepted=jnp.zeros((m, b), jnp.int32), step=jnp.zeros((), jnp.int32),
         key=jax.random.key(0),
-        auto=auto_lib.AutoState.init(jnp.ones(len(self.lc.budgets)), b, m,
-                                     sum(x > 0 for x in self.lc.budgets))
+        auto=auto_lib.AutoState.init(
+            jnp.ones(len(self.lc.budgets)), b, m, sum(x > 0 for x in self.lc.budgets),
+            taps_dim=len(self.dcfg.target_layer_ids) * self.tcfg.hidden_size
+            if self.dcfg is not None and self.lc.auto_every == 1 else 0,
+            taps_dtype=self.tparams.embed.dtype)
         if self.lc.budgets else None)
     return sharding.shard_params(state, self.lc.mesh, self.lc.rules)
 
