@@ -100,6 +100,23 @@ MUTATIONS = (
         "    draft_cache = state.draft_cache\n",
         DRAFT_TESTS),
     Mutation(
+        "held_rows_kept_on_insert",
+        "budget='auto' in the slot engine: a request that takes a slot keeps the features its "
+        "predecessor's undrafted steps held (they are committed into its drafter context)",
+        "ddtree_jax/serving/programs.py",
+        "                               predicted=put(auto.predicted, one.auto.predicted, 1),\n"
+        "                               held=put(auto.held, one.auto.held, 0))  # the old row's: dropped\n",
+        "                               predicted=put(auto.predicted, one.auto.predicted, 1))\n",
+        ("tests/test_slots_engine.py::test_auto_backing_off_keeps_each_slots_drafter_context",)),
+    Mutation(
+        "held_rows_one_position_late",
+        "budget='auto': the features undrafted steps held are committed one position after "
+        "where they belong",
+        "ddtree_jax/speculative/decode.py",
+        "  dk, dv = dcfg.context(dparams, auto.held_taps, cache.lens[:, None] + at)\n",
+        "  dk, dv = dcfg.context(dparams, auto.held_taps, cache.lens[:, None] + at + 1)\n",
+        ("tests/test_auto_budget.py::test_ar_steps_advance_the_drafters_context",)),
+    Mutation(
         "non_first_child_never_accepted",
         "accept: a node matches only if it is also its parent's first (lowest-index) child",
         "ddtree_jax/speculative/verify.py",

@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 
 import ddtree_jax as dj
+from ddtree_jax import engine as engine_lib
 from ddtree_jax.request import GenerateOptions
 from ddtree_jax.serving import programs as slot_programs
 from ddtree_jax.serving import slots
+from ddtree_jax.speculative import decode
 
 
 @pytest.mark.parametrize("kw,field", [
@@ -183,3 +185,41 @@ def test_budget_auto_serves_offline_tokens_and_counts_its_choices(mixed):
   m = engine.metrics()
   chosen = {k: v for k, v in m.items() if k.startswith("steps_budget_")}
   assert sum(chosen.values()) == m["steps"] and len(chosen) > 1, m
+
+
+def test_auto_backing_off_keeps_each_slots_drafter_context(mixed):
+  """budget="auto" backing off (AR far cheaper than a tree) holds each undrafted step's features;
+  a request that takes a freed slot drops the old request's held rows. After two requests, one
+  ended and a third in its slot, each busy slot's drafter cache (its held rows committed) equals
+  one prefill over that slot's committed tokens."""
+  target, drafter, prompts, _, _, _ = mixed
+  engine = slots.SlotEngine(target, drafter, slots.SlotConfig(
+      method="ddtree", budget="auto", budgets=(0, 4, 16), budget_costs=(1e-3, 1.0, 1.0),
+      slots=2, capacity=160, chunk_steps=3, max_chunk_steps=16, prompt_buckets=(16, 64)))
+  got = {k: [] for k in "abc"}
+  emit = lambda k: lambda toks, reason: got[k].extend(toks)
+  options = lambda n: GenerateOptions(max_new_tokens=n, stop_token_ids=())
+  # pylint: disable=protected-access
+  engine.submit(prompts[3], options(4), emit("a"))
+  b = engine.submit(prompts[5], options(40), emit("b"))
+  engine._send_firsts(engine._admit())
+  for _ in range(3):  # a ends within its first chunks, its slot keeps what it held
+    engine._finish(engine._launch())
+  c = engine.submit(prompts[0], options(40), emit("c"))
+  engine._send_firsts(engine._admit())
+  for _ in range(3):
+    engine._finish(engine._launch())
+  state = engine.state
+  assert state.auto.holds and int(state.auto.held.max()) > 0  # undrafted steps held features
+  state = decode._commit_held(engine.dparams, engine.dcfg, state)
+  lens = np.asarray(state.cache.lens)
+  np.testing.assert_array_equal(np.asarray(state.draft_cache.lens), lens)
+  for req, key in ((b, "b"), (c, "c")):
+    n = int(lens[req.slot])
+    committed = (list(req.prompt) + got[key])[:n]
+    whole, _ = engine_lib.prefill_state(target, [committed], method="chain", drafter=drafter,
+                                        max_new_tokens=2, stop_token_ids=(), cache_capacity=160)
+    for have, want in ((state.draft_cache.k, whole.draft_cache.k),
+                       (state.draft_cache.v, whole.draft_cache.v)):
+      np.testing.assert_allclose(np.asarray(have[:, req.slot, :, :n]),
+                                 np.asarray(want[:, 0, :, :n]), rtol=1e-4, atol=1e-5)
