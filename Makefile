@@ -5,7 +5,7 @@ PY312 := $(shell if python3.12 --version >/dev/null 2>&1; then command -v python
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: venv test test-fast demo serve clean train train-smoke eval-default bench bench-smoke eval-coding notebook
+.PHONY: train-drafter venv test test-fast demo serve clean train train-smoke eval-default bench bench-smoke eval-coding notebook
 
 $(VENV)/.created:
 	@test -x "$(PY312)" || (echo "need Python 3.12 (python3.12 on PATH or under pyenv root)"; exit 1)
@@ -40,6 +40,13 @@ serve: $(VENV)/.installed-serve
 # The bundled default pair (ddtree_jax/default_model): GPU settings, ~17 min on one H200.
 train: $(VENV)/.installed-train
 	PY=$(PY) bash experiments/train_default.sh
+
+# A DFlash drafter for any target this engine loads, on your prompts (JSONL or text):
+#   make train-drafter TARGET=/models/Qwen3-8B DATA=prompts.jsonl [WORKDIR=out/train_drafter]
+train-drafter: $(VENV)/.installed-train
+	@test -n "$(TARGET)" -a -n "$(DATA)" || (echo "usage: make train-drafter TARGET=checkpoint-folder DATA=corpus [WORKDIR=...]"; exit 2)
+	$(PY) -m experiments.train_drafter --config=configs/train_drafter.py:any \
+	  --config.target=$(TARGET) --config.data=$(DATA) --config.workdir=$(or $(WORKDIR),out/train_drafter)
 
 # The same pipeline with tiny settings on CPU (~1-2 min); writes only under /tmp/ddtree_smoke.
 train-smoke: $(VENV)/.installed-train

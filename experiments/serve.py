@@ -22,7 +22,7 @@ from absl import app, flags, logging
 import uvicorn
 
 from experiments import workflow
-from ddtree_jax import engine
+from ddtree_jax import chat, engine
 from ddtree_jax.checkpoints import hf as checkpoint
 from ddtree_jax.serving import server
 from ddtree_jax.serving import slots
@@ -80,7 +80,7 @@ def build(cfg):
   warm = eng.warm_up()
   name = cfg.serve.model_name or (f"random-{cfg.shape.model_type}" if cfg.random_target else
                                   os.path.basename(os.path.normpath(cfg.target)))
-  template, special = server.load_chat_template(tok_dir)
+  template, special = chat.load_chat_template(tok_dir)
   return eng, server.make_app(eng, tokenizer, name, template, special), name, warm
 
 

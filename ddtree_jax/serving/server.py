@@ -30,16 +30,13 @@ from typing import Any
 
 import fastapi
 from fastapi import responses
-import jinja2.sandbox
+import jinja2
 import prometheus_client
 
+from ddtree_jax.chat import CHAT_ROLES, DEFAULT_CHAT_TEMPLATE, compile_template
 from ddtree_jax.request import SLOT_FIELDS, GenerateOptions, RequestError
 from ddtree_jax.serving import slots as slots_lib
 
-# Used when a checkpoint's tokenizer_config.json has no chat_template.
-CHAT_ROLES = ("system", "user", "assistant", "tool")
-DEFAULT_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
-                         "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
 DEFAULT_MAX_TOKENS = 16  # the OpenAI API's, for a request without max_tokens
 JSON_NAMES = {"max_new_tokens": "max_tokens", "prompts": "prompt"}  # option -> its JSON field
 
@@ -60,22 +57,6 @@ def json_error(e: RequestError) -> RequestError:
   """`e` with the request's JSON name of its field (max_tokens for max_new_tokens)."""
   name = JSON_NAMES.get(e.field)
   return e if name is None else RequestError(str(e).replace(e.field, name), name)
-
-
-def load_chat_template(path: str | None) -> tuple[str, dict[str, str]]:
-  """(template, special tokens) from `path`/tokenizer_config.json, or the default template."""
-  file = os.path.join(path, "tokenizer_config.json") if path else ""
-  if not file or not os.path.exists(file):
-    return DEFAULT_CHAT_TEMPLATE, {}
-  with open(file) as f:
-    cfg = json.load(f)
-  template = cfg.get("chat_template") or DEFAULT_CHAT_TEMPLATE
-  if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
-    template = next((t["template"] for t in template if t.get("name") == "default"),
-                    template[0]["template"])
-  tokens = {k: v if isinstance(v, str) else (v or {}).get("content", "")
-            for k, v in cfg.items() if k in ("bos_token", "eos_token")}
-  return template, tokens
 
 
 class _Metrics:
@@ -130,8 +111,7 @@ def make_app(engine: slots_lib.SlotEngine, tokenizer, model_name: str,
   Tokenizer (None: token-id prompts only, empty texts; `usage` counts the tokens either way)."""
   app = fastapi.FastAPI(title="ddtree-jax")
   metrics = _Metrics(engine)
-  env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-  template = env.from_string(chat_template)
+  template = compile_template(chat_template)
   special = special_tokens or {}
 
   @app.exception_handler(RequestError)
