@@ -71,10 +71,12 @@ def get_config(preset: str = "gpu"):
   c.export = ml_collections.ConfigDict()
   c.export.dtype = "bfloat16"
 
-  # After export: chain and DDTree tau by generation over the held-out prompts.
+  # Chain and DDTree tau by generation over the held-out prompts: after export, and at every
+  # evaluation (train.eval_every) when each_eval.
   c.eval = ml_collections.ConfigDict()
   c.eval.budgets = (16, 32, 64)
   c.eval.new_tokens = 128
+  c.eval.each_eval = False
 
   if preset == "smoke":
     c.workdir = "/tmp/ddtree_smoke"
@@ -91,4 +93,5 @@ def get_config(preset: str = "gpu"):
     c.regen.update(num_sequences=8192, heldout_sequences=64, prompt_max=1024, new_tokens=512,
                    batch_size=64, time_budget_s=0.0, dtype="bfloat16", matmul_precision="default")
     c.train.update(num_anchors=256, time_budget_s=0.0, target_dtype="bfloat16")
+    c.eval.each_eval = True
   return c

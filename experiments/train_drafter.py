@@ -98,6 +98,10 @@ def main(_):
                                      np.asarray(b["lens"]))
       committed, steps = committed + c, steps + s
     out["chain_tau_sim"] = committed / max(steps, 1)
+    if cfg.eval.each_eval:  # the acceptance by generation at every evaluation, not only the last
+      out.update(recipe.heldout_tau(target, dj.Drafter(params=p, config=dcfg), held_prompts,
+                                    tuple(cfg.eval.budgets), cfg.eval.new_tokens,
+                                    cfg.regen.batch_size))
     return out
 
   out = os.path.join(cfg.workdir, "drafter")
@@ -111,7 +115,7 @@ def main(_):
   shipped = dj.load_drafter(hf, target, dtype="float32")
   final = eval_fn(shipped.params)
   final.update(recipe.heldout_tau(target, shipped, held_prompts, tuple(cfg.eval.budgets),
-                                  cfg.eval.new_tokens, cfg.regen.batch_size))
+                                  cfg.eval.new_tokens, cfg.regen.batch_size))  # as exported
   train_loop.plot_curve(summary, os.path.join(out, "loss.png"), "DFlash drafter")
   result = {"stage": "drafter", "params_m": round(n_params / 1e6, 3), "steps": summary["steps"],
             "total_steps": summary["total_steps"], "finished": summary["finished"],

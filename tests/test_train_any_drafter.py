@@ -163,12 +163,16 @@ def test_the_script_trains_a_drafter_that_loads_and_stays_lossless(tmp_path):
        "--config.regen.heldout_sequences=2", "--config.regen.prompt_max=24",
        "--config.regen.new_tokens=16", "--config.regen.batch_size=4",
        "--config.train.num_steps=6", "--config.train.save_every=3",
-       "--config.train.eval_every=3"],
+       "--config.train.eval_every=3", "--config.eval.each_eval=True"],
       cwd=REPO, capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
   summary = json.loads(proc.stdout.strip().splitlines()[-1])
   assert summary["steps"] == 6 and summary["heldout_chain_tau"] >= 1.0
   assert summary["heldout_ddtree4_tau"] >= 1.0 and summary["heldout_ddtree8_tau"] >= 1.0
+  with open(os.path.join(workdir, "drafter", "metrics.json")) as f:
+    evals = json.load(f)["evals"]
+  assert [e["step"] for e in evals] == [0, 3, 6] and all("ddtree8_tau" in e for e in evals)
+  assert os.path.getsize(os.path.join(workdir, "drafter", "loss.png")) > 0
   target = dj.load_target(target_path, dtype="float32")
   drafter = dj.load_drafter(summary["export"], target, dtype="float32")
   prompts = [[4, 5, 6, 7], [8, 9]]

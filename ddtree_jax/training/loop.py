@@ -191,8 +191,9 @@ def train(*, name: str, workdir: str, params, loss_fn: Callable, frozen: Any,
 
 
 def plot_curve(summary: dict, path: str, title: str):
-  """Loss curve PNG (train loss per logged step, held-out loss per eval); skipped without
-  matplotlib. Returns whether a file was written."""
+  """Loss curve PNG (train loss per logged step, held-out loss per eval; beside it the evals'
+  tau metrics, when they have any); skipped without matplotlib. Returns whether a file was
+  written."""
   try:
     import matplotlib  # pylint: disable=import-outside-toplevel
     matplotlib.use("Agg")
@@ -200,7 +201,9 @@ def plot_curve(summary: dict, path: str, title: str):
   except ImportError:
     _log("matplotlib is not installed: no loss curve PNG")
     return False
-  fig, ax = plt.subplots(figsize=(7, 4))
+  taus = sorted(k for k in (summary["evals"] or [{}])[0] if k.endswith("tau") and k != "tau_est")
+  fig, axes = plt.subplots(1, 2 if taus else 1, figsize=(12 if taus else 7, 4), squeeze=False)
+  ax = axes[0, 0]
   h = summary["history"]
   ax.plot([r["step"] for r in h], [r["loss"] for r in h], label="train", lw=1)
   if summary["evals"]:
@@ -211,6 +214,15 @@ def plot_curve(summary: dict, path: str, title: str):
   ax.set_title(title)
   ax.grid(alpha=0.3)
   ax.legend()
+  if taus:  # the held-out acceptance beside the loss
+    ax = axes[0, 1]
+    for k in taus:
+      ax.plot([r["step"] for r in summary["evals"]], [r[k] for r in summary["evals"]], "o-",
+              label=k, ms=3)
+    ax.set_xlabel("step")
+    ax.set_ylabel("held-out tokens per step")
+    ax.grid(alpha=0.3)
+    ax.legend()
   fig.tight_layout()
   files.save_figure(fig, path, dpi=110)
   plt.close(fig)
