@@ -44,6 +44,8 @@ def get_config(preset: str = "gpu"):
   c.regen.matmul_precision = "highest"
   c.regen.attention = "xla"
   c.regen.temperature = 0.0            # > 0: sampled continuations (the target's at that T)
+  c.regen.capture = False              # keep the target's features of the same forwards on disk
+                                       # (workdir/regen/*_features.npy): training runs no target
 
   c.train = ml_collections.ConfigDict()
   c.train.batch_size = 32              # sequences per step

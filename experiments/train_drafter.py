@@ -72,10 +72,17 @@ def main(_):
   loss_fn = functools.partial(training.drafter_loss, dcfg=dcfg, tcfg=target.config,
                               gamma=tc.gamma, compute_dtype=cdt)
 
+  def device_batch(b, s, offset=0):
+    """A host batch on the device, with its rows' captured features when there are any."""
+    rows = b.pop("rows")
+    out = {k: jnp.asarray(v) for k, v in b.items()}
+    if "features" in s:
+      out["features"] = recipe.feature_rows(s["features"], rows + offset)
+    return out
+
   def batch_fn(step, s=train_set):
-    b = data.drafter_batch(s["tokens"], s["lens"], s["prompt_lens"], tc.batch_size, num_anchors,
-                           cfg.seed, step)
-    return {k: jnp.asarray(v) for k, v in b.items()}
+    return device_batch(data.drafter_batch(s["tokens"], s["lens"], s["prompt_lens"],
+                                           tc.batch_size, num_anchors, cfg.seed, step), s)
 
   # Held-out: every anchor of every sequence, so chain decoding can be replayed exactly.
   held_anchors = int(np.max(held_set["lens"] - held_set["prompt_lens"]) - 1)
@@ -84,7 +91,7 @@ def main(_):
     n = min(tc.batch_size, len(held_set["tokens"]) - i)
     b = data.drafter_batch(held_set["tokens"][i:i + n], held_set["lens"][i:i + n],
                            held_set["prompt_lens"][i:i + n], n, held_anchors, cfg.seed + 1, 0)
-    held_batches.append({k: jnp.asarray(v) for k, v in b.items()})
+    held_batches.append(device_batch(b, held_set, offset=i))
   eval_loss = jax.jit(loss_fn)
   eval_runs = jax.jit(functools.partial(training.drafter_runs, dcfg=dcfg, tcfg=target.config,
                                         compute_dtype=cdt))

@@ -20,6 +20,7 @@ import ddtree_jax as dj
 from configs import train_drafter as train_config
 from ddtree_jax.training import corpus, drafter_recipe as recipe
 from ddtree_jax.training import data, loop as train_loop, losses
+from helpers import assert_close_rel
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(REPO, "tests", "fixtures", "hf")
@@ -151,7 +152,37 @@ def test_one_step_lowers_the_loss_for_every_family(tmp_path, name):
   assert np.isfinite(before) and after < before - 1e-3, (before, after)
 
 
-def test_the_script_trains_a_drafter_that_loads_and_stays_lossless(tmp_path):
+@pytest.mark.parametrize("name", ["qwen3_gqa", "qwen3_5_text"])
+def test_captured_features_are_the_targets_and_train_as_a_forward_does(tmp_path, name):
+  """regen.capture: the features kept from the forwards that generated each sequence equal a
+  forward over the whole sequence, and the loss on them equals the loss through the target."""
+  cfg = config(checkpoint(tmp_path, name), write_corpus(tmp_path / "c.jsonl"),
+               str(tmp_path / "w"), num_layers=1, block_size=4)
+  cfg.regen.capture = True
+  target, frozen, tok, train_set, _, _, _ = recipe.load_data(cfg)
+  assert frozen.layers == []  # training runs no target layer
+  dcfg = recipe.drafter_config(cfg.drafter, target.config, tok)
+  feats = train_set["features"]
+  for row in range(3):
+    n = int(train_set["lens"][row])
+    _, taps = losses.target_hidden(target.params, target.config,
+                                   jnp.asarray(train_set["tokens"][row:row + 1, :n]),
+                                   dcfg.target_layer_ids)
+    assert_close_rel(feats[row, :n - 1], taps[0, :n - 1], rel=1e-5)  # float32 sums reordered
+  b = data.drafter_batch(train_set["tokens"], train_set["lens"], train_set["prompt_lens"], 4, 8,
+                         0, 0)
+  rows = b.pop("rows")
+  batch = {k: jnp.asarray(v) for k, v in b.items()}
+  params = losses.init_drafter_params(dcfg, jax.random.key(0), 0.02, final_norm=frozen.final_norm)
+  loss_fn = functools.partial(losses.drafter_loss, dcfg=dcfg, tcfg=target.config, gamma=4.0,
+                              compute_dtype=jnp.float32)
+  online = float(loss_fn(params, target.params, batch)[0])
+  offline = float(loss_fn(params, frozen, dict(batch, features=recipe.feature_rows(feats, rows)))[0])
+  assert offline == pytest.approx(online, rel=1e-5)
+
+
+@pytest.mark.parametrize("capture", [False, True])
+def test_the_script_trains_a_drafter_that_loads_and_stays_lossless(tmp_path, capture):
   target_path = checkpoint(tmp_path, "qwen3_gqa", template="{% for m in messages %}<|u|> "
                            "{{ m['content'] }} {% endfor %}<|a|>")
   data_path = write_corpus(tmp_path / "c.jsonl")
@@ -163,7 +194,8 @@ def test_the_script_trains_a_drafter_that_loads_and_stays_lossless(tmp_path):
        "--config.regen.heldout_sequences=2", "--config.regen.prompt_max=24",
        "--config.regen.new_tokens=16", "--config.regen.batch_size=4",
        "--config.train.num_steps=6", "--config.train.save_every=3",
-       "--config.train.eval_every=3", "--config.eval.each_eval=True"],
+       "--config.train.eval_every=3", "--config.eval.each_eval=True",
+       f"--config.regen.capture={capture}"],
       cwd=REPO, capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
   summary = json.loads(proc.stdout.strip().splitlines()[-1])

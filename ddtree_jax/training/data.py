@@ -221,7 +221,7 @@ def drafter_batch(tokens: np.ndarray, lens: np.ndarray, prompt_lens: np.ndarray,
                   num_anchors: int, seed: int, step: int) -> dict[str, np.ndarray]:
   """Batch `step` of drafter training: sequences in a fresh random order per epoch, each with a
   fresh anchor sample per epoch. tokens [N, S] (prompt + target continuation, right-padded),
-  lens [N], prompt_lens [N]."""
+  lens [N], prompt_lens [N]; "rows" says which sequences it took (for their captured features)."""
   n = len(tokens)
   rows = np.empty((batch,), np.int64)
   anchors = np.zeros((batch, num_anchors), np.int32)
@@ -233,7 +233,7 @@ def drafter_batch(tokens: np.ndarray, lens: np.ndarray, prompt_lens: np.ndarray,
     anchors[j], ok[j] = sample_anchors(int(prompt_lens[rows[j]]), int(lens[rows[j]]), num_anchors,
                                        seed, epoch, int(rows[j]))
   return {"tokens": tokens[rows], "lens": lens[rows].astype(np.int32), "anchors": anchors,
-          "anchor_ok": ok}
+          "anchor_ok": ok, "rows": rows}
 
 
 def prepare_corpus(workdir: str, vocab_size: int, heldout_fraction: float = 0.02,

@@ -146,6 +146,14 @@ def drafter_block_logits(dparams: drafter_lib.DrafterParams, dcfg: drafter_lib.D
   return decoder.lm_head(tparams, hidden.astype(tparams.embed.dtype))
 
 
+def tap_features(tparams, tcfg: ModelConfig, batch, tap_layers):
+  """The target's features [B, S, k*H] at `tap_layers` for batch["tokens"]: captured at
+  regeneration (batch["features"], `training/capture.py`), or by a forward of the target."""
+  if "features" in batch:
+    return batch["features"]
+  return target_hidden(tparams, tcfg, batch["tokens"], tap_layers)[1]
+
+
 def slot_weights(block_size: int, gamma: float):
   """w_k = exp(-(k-1)/gamma), k = 1..bs-1."""
   return jnp.exp(-jnp.arange(block_size - 1, dtype=jnp.float32) / gamma)
@@ -155,7 +163,7 @@ def drafter_runs(dparams, tparams, batch, *, dcfg, tcfg: ModelConfig, compute_dt
   """Leading correct greedy drafts of every block: int32 [B, A] (0..bs-1)."""
   tokens, lens, anchors = batch["tokens"], batch["lens"], batch["anchors"]
   tp = cast(tparams, compute_dtype)
-  _, taps = target_hidden(tp, tcfg, tokens, dcfg.target_layer_ids)
+  taps = tap_features(tp, tcfg, batch, dcfg.target_layer_ids)
   logits = drafter_block_logits(cast(dparams, compute_dtype), dcfg, tp, taps, tokens, anchors)
   pos = anchors[..., None] + jnp.arange(1, dcfg.block_size, dtype=jnp.int32)
   labels = jnp.take_along_axis(tokens, jnp.minimum(pos, tokens.shape[1] - 1).reshape(
@@ -188,15 +196,14 @@ def drafter_loss(dparams, tparams, batch, *, dcfg, tcfg: ModelConfig, gamma: flo
   """Weighted block cross-entropy through the frozen target (docs/design.md §2).
 
   batch: tokens [B, S] (prompt + target continuation, right-padded), lens [B] true lengths,
-  anchors [B, A], anchor_ok [B, A]. Returns (loss, metrics) with the per-slot accuracy and
+  anchors [B, A], anchor_ok [B, A], optionally features [B, S, k*H] (`tap_features`). Returns (loss, metrics) with the per-slot accuracy and
   `tau_est`, 1 + the mean number of leading correct greedy drafts per block (a chain-tau estimate).
   """
   tokens, lens = batch["tokens"], batch["lens"]
   anchors, anchor_ok = batch["anchors"], batch["anchor_ok"]
   bs = dcfg.block_size
   tp = cast(tparams, compute_dtype)
-  _, taps = target_hidden(tp, tcfg, tokens, dcfg.target_layer_ids)
-  taps = jax.lax.stop_gradient(taps)
+  taps = jax.lax.stop_gradient(tap_features(tp, tcfg, batch, dcfg.target_layer_ids))
   logits = drafter_block_logits(cast(dparams, compute_dtype), dcfg, jax.lax.stop_gradient(tp),
                                 taps, tokens, anchors)
   pos = anchors[..., None] + jnp.arange(1, bs, dtype=jnp.int32)              # [B, A, bs-1]
