@@ -14,7 +14,9 @@ cached as .npy under `workdir`/regen (skipped when present). stage=train: the DF
 (docs/design.md §2) with the frozen target, orbax checkpoints + resume under
 `workdir`/drafter/checkpoints, export in the z-lab format to `workdir`/drafter/hf (loadable by
 dj.load_drafter), then held-out chain and DDTree tau by generation. stage=all: both. The last
-line printed is one JSON summary.
+line printed is one JSON summary. --mesh_dp / --mesh_tp (--mesh_layout) lay the target, the
+drafter and each batch out on a mesh (the batch over dp, the weights over tp), for
+regeneration and training alike.
 """
 
 import functools
@@ -31,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import ddtree_jax as dj
-from ddtree_jax import engine
+from ddtree_jax import engine, sharding
 from ddtree_jax.checkpoints import hf as checkpoint
 from ddtree_jax.training import data, drafter_recipe as recipe
 from ddtree_jax.checkpoints import export as hf_export
@@ -42,6 +44,8 @@ _CONFIG = config_flags.DEFINE_config_file("config", "configs/train_drafter.py", 
 
 
 engine.define_compilation_cache_flags()
+sharding.define_mesh_flags()
+sharding.define_layout_flag()
 
 
 def main(_):
@@ -51,7 +55,12 @@ def main(_):
   t0 = time.perf_counter()
   if cfg.stage not in ("regenerate", "train", "all"):
     raise ValueError(f"unknown stage {cfg.stage!r}")
-  target, frozen, tok, train_set, held_set, held_prompts, t_regen = recipe.load_data(cfg)
+  mesh, rules = sharding.mesh_from_flags(), sharding.rules_from_flags()
+  if mesh is not None and cfg.train.batch_size % sharding.batch_multiple(mesh, rules):
+    raise ValueError(f"train.batch_size {cfg.train.batch_size} must be a multiple of the mesh's "
+                     f"dp size {sharding.batch_multiple(mesh, rules)}")
+  target, frozen, tok, train_set, held_set, held_prompts, t_regen = recipe.load_data(
+      cfg, mesh, rules)
   print(f"regenerated data: {len(train_set['tokens'])} train / {len(held_set['tokens'])} held-out "
         f"sequences of <= {train_set['tokens'].shape[1]} tokens ({t_regen:.1f} s)", flush=True)
   if cfg.stage == "regenerate":
@@ -65,6 +74,7 @@ def main(_):
   num_anchors = max(1, min(tc.num_anchors, max_cand))
   params = training.init_drafter_params(dcfg, jax.random.key(cfg.seed), cfg.drafter.init_std,
                                         final_norm=frozen.final_norm)
+  params = sharding.shard_params(params, mesh, rules)  # over tp as the engine lays a drafter out
   n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
   print(f"drafter: {n_params / 1e6:.2f}M params, {dcfg.layers.num_layers} layers, block "
         f"{dcfg.block_size}, taps {dcfg.target_layer_ids}, mask {dcfg.mask_token_id}, "
@@ -73,12 +83,16 @@ def main(_):
                               gamma=tc.gamma, compute_dtype=cdt)
 
   def device_batch(b, s, offset=0):
-    """A host batch on the device, with its rows' captured features when there are any."""
+    """A host batch on the devices (over dp; padded to a multiple of it with rows that hold no
+    anchor), with its rows' captured features when there are any."""
     rows = b.pop("rows")
-    out = {k: jnp.asarray(v) for k, v in b.items()}
     if "features" in s:
-      out["features"] = recipe.feature_rows(s["features"], rows + offset)
-    return out
+      b["features"] = recipe.feature_rows(s["features"], rows + offset)
+    n = len(rows)
+    keys = list(b)
+    padded = dict(zip(keys, sharding.pad_batch([np.asarray(b[k]) for k in keys], mesh, rules)))
+    padded["anchor_ok"][n:] = False
+    return {k: sharding.put_batch(v, mesh, rules) for k, v in padded.items()}
 
   def batch_fn(step, s=train_set):
     return device_batch(data.drafter_batch(s["tokens"], s["lens"], s["prompt_lens"],

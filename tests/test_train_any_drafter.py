@@ -181,8 +181,10 @@ def test_captured_features_are_the_targets_and_train_as_a_forward_does(tmp_path,
   assert offline == pytest.approx(online, rel=1e-5)
 
 
-@pytest.mark.parametrize("capture", [False, True])
-def test_the_script_trains_a_drafter_that_loads_and_stays_lossless(tmp_path, capture):
+@pytest.mark.parametrize("capture,mesh", [(False, ()), (True, ("--mesh_dp=2", "--mesh_tp=2"))])
+def test_the_script_trains_a_drafter_that_loads_and_stays_lossless(tmp_path, capture, mesh):
+  """End to end, on one device and on a 2 x 2 mesh of CPU devices (batch over dp, weights over
+  tp), from the target's features captured at regeneration or recomputed every step."""
   target_path = checkpoint(tmp_path, "qwen3_gqa", template="{% for m in messages %}<|u|> "
                            "{{ m['content'] }} {% endfor %}<|a|>")
   data_path = write_corpus(tmp_path / "c.jsonl")
@@ -195,7 +197,7 @@ def test_the_script_trains_a_drafter_that_loads_and_stays_lossless(tmp_path, cap
        "--config.regen.new_tokens=16", "--config.regen.batch_size=4",
        "--config.train.num_steps=6", "--config.train.save_every=3",
        "--config.train.eval_every=3", "--config.eval.each_eval=True",
-       f"--config.regen.capture={capture}"],
+       f"--config.regen.capture={capture}", *mesh],
       cwd=REPO, capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
   summary = json.loads(proc.stdout.strip().splitlines()[-1])

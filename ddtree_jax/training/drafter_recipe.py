@@ -161,10 +161,10 @@ def open_features(workdir: str, split: str, layer_ids) -> np.ndarray:
   return np.load(fpath, mmap_mode="r")[:meta["rows"]]
 
 
-def feature_rows(features: np.ndarray, rows) -> jax.Array:
-  """The features of `rows` as a device array (bfloat16 from its stored bits)."""
+def feature_rows(features: np.ndarray, rows) -> np.ndarray:
+  """The features of `rows`, read into memory (bfloat16 from its stored bits)."""
   x = np.ascontiguousarray(features[np.asarray(rows)])
-  return jnp.asarray(x.view(jnp.bfloat16) if x.dtype == np.uint16 else x)
+  return x.view(jnp.bfloat16) if x.dtype == np.uint16 else x
 
 
 def split_prompts(prompts, heldout: int, seed: int):
@@ -175,15 +175,16 @@ def split_prompts(prompts, heldout: int, seed: int):
   return [prompts[i] for i in order[k:]], [prompts[i] for i in order[:k]]
 
 
-def load_data(cfg):
+def load_data(cfg, mesh=None, rules=None):
   """What training needs (configs/train_drafter.py's config): (target, the frozen target params,
   tokenizer, train set, held-out set, held-out prompts, regeneration seconds), of the bundled
   workdir (cfg.target "") or of the checkpoint cfg.target and the corpus cfg.data. With
   regen.capture the sets hold the target's features ("features", memory-mapped) and the frozen
-  params only its embedding and lm_head (training runs no target layer)."""
+  params only its embedding and lm_head (training runs no target layer). The target is laid out
+  on `mesh` by `rules` when given (its continuations are generated there)."""
   r = cfg.regen
   if cfg.target:
-    target = dj.load_target(cfg.target, dtype=r.dtype)
+    target = dj.load_target(cfg.target, dtype=r.dtype, mesh=mesh, rules=rules)
     if target.tokenizer is None:
       raise ValueError(f"{cfg.target}: no tokenizer.json; drafter training reads text prompts")
     if not cfg.data:
@@ -199,7 +200,7 @@ def load_data(cfg):
       settings = json.load(f)["settings"]
     tok, train_tokens, heldout_tokens = data.prepare_corpus(cfg.workdir, **settings)
     source = os.path.join(cfg.workdir, "target", "hf")
-    target = dj.load_target(source, dtype=r.dtype)
+    target = dj.load_target(source, dtype=r.dtype, mesh=mesh, rules=rules)
     train = data.prompt_windows(train_tokens, r.num_sequences, r.prompt_min, r.prompt_max,
                                 cfg.seed)
     held = data.prompt_windows(heldout_tokens, r.heldout_sequences, r.prompt_min, r.prompt_max,
@@ -212,7 +213,8 @@ def load_data(cfg):
   held_set = regenerate(r, cfg.workdir, target, held, "heldout", cfg.seed + 1, 0.0, stop, layers)
   seconds = time.perf_counter() - t0
   frozen = (target.params if target.dtype == jnp.dtype(cfg.train.target_dtype)
-            else dj.load_target(source, dtype=cfg.train.target_dtype).params)
+            else dj.load_target(source, dtype=cfg.train.target_dtype, mesh=mesh,
+                                rules=rules).params)
   if r.capture:  # training reads the captured features: of the target it needs the vocabulary
     frozen = dataclasses.replace(frozen, layers=[])
   return target, frozen, tok, train_set, held_set, held, seconds
