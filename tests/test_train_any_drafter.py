@@ -214,3 +214,41 @@ def test_the_script_trains_a_drafter_that_loads_and_stays_lossless(tmp_path, cap
   for method, budget in (("chain", None), ("ddtree", 8)):
     assert dj.generate(target, prompts, method=method, budget=budget, drafter=drafter,
                        max_new_tokens=12, stop_token_ids=()).tokens == ar
+
+
+def test_a_killed_run_resumes_to_the_same_parameters(tmp_path):
+  """Training from captured features, stopped after 2 of 4 steps and run again in the same
+  workdir, ends with the parameters of a run that was never stopped (bitwise on CPU)."""
+  cfg = config(checkpoint(tmp_path, "qwen3_moe_sparse_step"), write_corpus(tmp_path / "c.jsonl"),
+               str(tmp_path / "w"), num_layers=1, block_size=4)
+  cfg.regen.capture = True
+  target, frozen, tok, train_set, _, _, _ = recipe.load_data(cfg)
+  dcfg = recipe.drafter_config(cfg.drafter, target.config, tok)
+  loss_fn = functools.partial(losses.drafter_loss, dcfg=dcfg, tcfg=target.config, gamma=4.0,
+                              compute_dtype=jnp.float32)
+
+  steps = []
+
+  def batch_fn(step):
+    steps.append(step)
+    b = data.drafter_batch(train_set["tokens"], train_set["lens"], train_set["prompt_lens"], 4,
+                           8, 0, step)
+    rows = b.pop("rows")
+    return dict({k: jnp.asarray(v) for k, v in b.items()},
+                features=jnp.asarray(recipe.feature_rows(train_set["features"], rows)))
+
+  def run(workdir, **over):
+    tc = cfg.train.copy_and_resolve_references()
+    tc.update(num_steps=4, save_every=2, eval_every=0, log_every=1, progress_bar=False, **over)
+    params = losses.init_drafter_params(dcfg, jax.random.key(0), 0.02,
+                                        final_norm=frozen.final_norm)
+    return train_loop.train(name="drafter", workdir=workdir, params=params, loss_fn=loss_fn,
+                            frozen=frozen, batch_fn=batch_fn, eval_fn=None, tc=tc)[0]
+
+  whole = run(str(tmp_path / "whole"))
+  run(str(tmp_path / "cut"), stop_at_step=2)
+  del steps[:]
+  resumed = run(str(tmp_path / "cut"))
+  assert steps == [2, 3]  # it went on from the checkpoint, not from the start
+  for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(resumed)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
