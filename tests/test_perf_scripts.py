@@ -294,3 +294,14 @@ def test_bench_serve_auto_smoke_rows(tmp_path):
     if r["run"] == "4":
       assert (r["tau"] == 1.0) == (r["level"] == "none"), r
   assert "benchmark drafter" in text and "auto/best" in text
+
+
+def test_bench_drafter_training_smoke_rows(tmp_path):
+  """experiments/perf/bench_drafter_training.py on CPU: capture, offline and online training
+  rows, each with a positive throughput; the stored bytes are the features' width x dtype."""
+  out = tmp_path / "rows.jsonl"
+  run_script("bench_drafter_training", "--smoke", f"--json_out={out}")
+  rows = read_rows(out)
+  assert [r["stage"] for r in rows] == ["capture", "train (offline)", "train (online)"]
+  assert all(r["tokens_per_second"] > 0 for r in rows)
+  assert rows[0]["bytes_per_million_tokens"] == 1e6 * rows[0]["feature_width"] * 2

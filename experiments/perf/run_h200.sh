@@ -390,7 +390,12 @@ EOF
       --levels="${LEVELS:-none:0:0.5,low:0.6,paper:0.9,high:0.95}" \
       --auto_costs="${AUTO_COSTS:-measure}" --json_out="$out/serve_auto.jsonl" \
       >"$out/serve_auto.log" 2>&1 ;;
-  *) echo "usage: $0 compile|step|step8|spec|quick|goals|results|int8|profile|profile_tp|kernel|sweep|gemm|tp|matrix|temperature|m8b|moe|moe_pairs|moe_decode|moe_fused|moe_loop|target_sweep|pair_target|pair_rest|pair_drafter|hybrid|hybrid_moe|auto_shapes|serve_auto|mla|mla8k|latent|kimi OUT" >&2
+  drafter_training)  # bench_drafter_training: feature capture and the training step (offline,
+                     # online) at SHAPE (default the Qwen3-8B shape), random weights
+    timeout "${TRAIN_S:-540}" $py -m experiments.perf.bench_drafter_training \
+      --shape="${SHAPE:-qwen3-8b}" --json_out="$out/drafter_training.jsonl" \
+      >"$out/drafter_training.log" 2>&1 ;;
+  *) echo "usage: $0 compile|step|step8|spec|quick|goals|results|int8|profile|profile_tp|kernel|sweep|gemm|tp|matrix|temperature|m8b|moe|moe_pairs|moe_decode|moe_fused|moe_loop|target_sweep|pair_target|pair_rest|pair_drafter|hybrid|hybrid_moe|auto_shapes|serve_auto|drafter_training|mla|mla8k|latent|kimi OUT" >&2
      exit 2 ;;
 esac
 ls -la "$out"
