@@ -20,7 +20,6 @@ Prints a table and one JSON line per row.
 from __future__ import annotations
 
 import functools
-import time
 
 from absl import app, flags
 import jax
@@ -29,6 +28,7 @@ import numpy as np
 
 from ddtree_jax.checkpoints import hf
 from ddtree_jax.request import GenerateOptions
+from ddtree_jax.tools import profiling
 from ddtree_jax.training import capture, data, loop as train_loop, losses
 from experiments.perf import common_flags, harness
 
@@ -41,16 +41,6 @@ flags.DEFINE_integer("anchors", 256, "drafted blocks per sequence per step")
 flags.DEFINE_string("dtype", "bfloat16", "the target's weights")
 SMOKE = dict(small=True, prompt_len=16, new_tokens=16, regen_batch=2, train_batch=2, anchors=8,
              repeats=1)
-
-
-def median_seconds(fn, repeats: int) -> float:
-  jax.block_until_ready(fn())  # warm-up (compile)
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - t0)
-  return float(np.median(times))
 
 
 def main(_):
@@ -77,7 +67,7 @@ def main(_):
     out["new"], out["features"] = capture.generate_with_features(
         target, prompts, dcfg.target_layer_ids, options)
     return out["features"][0]
-  seconds = median_seconds(run_capture, args.repeats)
+  seconds = profiling.median_seconds(run_capture, repeats=args.repeats)
   stored = sum(f.shape[0] for f in out["features"])
   width = out["features"][0].shape[1]
   per_million = 1e6 * width * jnp.dtype(dtype).itemsize
@@ -116,7 +106,7 @@ def main(_):
       nonlocal state
       state, loss, _ = step(state, frozen, bt, 1e-4)
       return loss
-    seconds = median_seconds(run_step, args.repeats)
+    seconds = profiling.median_seconds(run_step, repeats=args.repeats)
     common_flags.keep_row(rows, dict(stage=f"train ({mode})", shape=args.shape,
                                      batch=args.train_batch, seconds=seconds,
                                      tokens_per_second=drafted / seconds), args.json_out)
