@@ -193,7 +193,7 @@ def compilation_cache_from_flags() -> str | None:
 
 
 def generate(target: Target, prompts: Sequence[Sequence[int]], *, method: str = "ar",
-             max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
+             max_new_tokens: int | None = None, temperature: float = 0.0, seed: int = 0,
              stop_token_ids=None, drafter: Drafter | None = None,
              budget: int | str | None = None, budgets: Sequence[int] = DEFAULT_BUDGETS,
              budget_costs: Sequence[float] | None = None, auto_every: int = 1,

@@ -22,7 +22,7 @@ from ddtree_jax.speculative.decode import METHODS, LoopConfig
 
 MAX_BUDGET = 1024
 DEFAULT_BUDGETS = (0, 8, 16, 32, 64)  # budget="auto"'s options (0: AR)
-MAX_TEMPERATURE = 2.0  # a served request's highest temperature (the OpenAI API's range)
+MAX_TEMPERATURE = 2.0  # the highest temperature, served or not (the OpenAI API's range)
 MIN_SEED, MAX_SEED = -(1 << 63), (1 << 64) - 1  # any 64-bit integer, signed or not
 MEMORY_HEADROOM = 0.9  # the share of the free memory a request's caches may take
 # The options a served request sets; the others are the server's (`slots.SlotConfig`).
@@ -178,7 +178,7 @@ class GenerateOptions:
   check of the stop condition (`decode.decode_loop`). kernel_tuning: the Pallas kernels' tuning
   (None: the defaults). `check` gives them checked, the defaults that depend on the model filled.
   """
-  max_new_tokens: int
+  max_new_tokens: int | None = None  # required (None: refused, naming it)
   method: str = "ar"
   temperature: float = 0.0
   top_k: int | None = None
@@ -202,8 +202,8 @@ class GenerateOptions:
   def check_values(self, server: ServedLimits | None = None) -> GenerateOptions:
     """The options with every value type- and range-checked on its own (RequestError naming the
     field): ints are ints, floats finite floats. With `server`, as a request to a server: only
-    SLOT_FIELDS may differ from the defaults, temperature is at most MAX_TEMPERATURE (0 for a
-    greedy-only server)."""
+    SLOT_FIELDS may differ from the defaults (temperature 0 for a greedy-only server). A
+    temperature is at most MAX_TEMPERATURE, served or not."""
     if server is not None:
       for f in dataclasses.fields(self):
         if f.name not in SLOT_FIELDS and getattr(self, f.name) != f.default:
@@ -216,10 +216,12 @@ class GenerateOptions:
     if attention is not None and attention not in ATTENTIONS:
       raise RequestError(f"unknown attention {attention!r}; choose one of "
                          f"{', '.join(ATTENTIONS)}", "attention")
+    if self.max_new_tokens is None:
+      raise RequestError("max_new_tokens is required: how many tokens to generate per prompt "
+                         "(an integer >= 1)", "max_new_tokens")
     max_new_tokens = integer("max_new_tokens", self.max_new_tokens, 1)
     steps_per_check = integer("steps_per_check", self.steps_per_check, 1, max_new_tokens)
-    temperature = number("temperature", self.temperature, 0.0,
-                         None if server is None else MAX_TEMPERATURE)
+    temperature = number("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
     if server is not None and temperature > 0 and not server.sampling:
       raise RequestError("this server decodes greedily (SlotConfig.sampling=False): temperature "
                          "must be 0", "temperature")
@@ -234,6 +236,9 @@ class GenerateOptions:
                            "'auto'", "budget")
       if budget == "auto":
         budgets, costs = auto_options(budgets, costs)
+      elif isinstance(budget, str):
+        raise RequestError(f"budget must be an integer in [1, {MAX_BUDGET}] or 'auto', got "
+                           f"{budget!r}", "budget")
       else:
         budget = integer("budget", budget, 1, MAX_BUDGET)
       topk_cap = None if topk_cap is None else integer("topk_cap", topk_cap, 1)

@@ -97,3 +97,16 @@ def test_any_64_bit_seed_keys_as_the_slot_engine_does(target):
     dj.generate(target, [[1, 2]], max_new_tokens=2, attention="")
   assert e.value.field == "attention"
 
+
+
+def test_first_mistakes_are_named(target):
+  """A budget spelled otherwise than 'auto' names both valid forms; a missing max_new_tokens
+  says it is required; a temperature above MAX_TEMPERATURE is refused offline as served."""
+  with pytest.raises(RequestError, match=r"budget must be an integer in \[1, 1024\] or 'auto', "
+                                         r"got 'Auto'"):
+    GenerateOptions(max_new_tokens=2, method="ddtree", budget="Auto").check_values()
+  with pytest.raises(RequestError, match="max_new_tokens is required") as e:
+    dj.generate(target, [[1, 2]])
+  assert e.value.field == "max_new_tokens"
+  with pytest.raises(RequestError, match=r"temperature must be in \[0.0, 2.0\], got 2.5"):
+    dj.generate(target, [[1, 2]], max_new_tokens=2, temperature=2.5)
