@@ -7,8 +7,8 @@ default, DDTree at one budget chosen at start, greedy or sampled per request.
       --config.random_drafter=True --config.drafter= --config.dtype=bfloat16 \
       --config.serve.tokenizer=ddtree_jax/default_model/target   # random Qwen3-8B shape
 
-The serve.* defaults are `slots.SlotConfig`'s but capacity (and prompt_buckets spelled as a
-comma list); a request's options are its own (`request.GenerateOptions`, the server's JSON).
+The serve.* defaults are `slots.SlotConfig`'s but capacity (fitted to the model) and
+prompt_buckets (spelled as a comma list); a request's options are its own (`request.GenerateOptions`, the server's JSON).
 """
 
 import importlib.util
@@ -29,8 +29,8 @@ def get_config():
   s = c.serve = ml_collections.ConfigDict()
   s.host = "127.0.0.1"
   s.port = 8000
-  s.model_name = ""                 # "" = the target directory's name (random-qwen3 for a
-                                    # random target)
+  s.model_name = ""                 # "" = the target directory's name (ddtree-jax-default for
+                                    # the bundled pair, random-qwen3 for a random target)
   s.tokenizer = ""                  # a directory with tokenizer.json: encodes prompts, decodes
                                     # ids ("" = the target's; a random target has none, e.g.
                                     # ddtree_jax/default_model/target; unknown ids decode to "")
@@ -41,7 +41,8 @@ def get_config():
   s.auto_budgets = ",".join(map(str, d.budgets))
   s.budget_costs = ""               # their seconds per step ("" = measured at start)
   s.slots = d.slots                 # decode slots (the batch of every decode step)
-  s.capacity = 512                  # cache rows per slot: prompt + generated tokens
+  s.capacity = 0                    # cache rows per slot: prompt + generated tokens (0: the
+                                    # model's positions, at most 4096; buckets below it)
   s.chunk_steps = d.chunk_steps     # decode steps per chunk between two admissions
   s.max_chunk_steps = d.max_chunk_steps  # ... while requests come one at a time
   s.pipeline = d.pipeline           # ... and dispatch the next chunk before streaming the last

@@ -21,6 +21,7 @@ import time
 from absl import app, flags, logging
 import uvicorn
 
+import ddtree_jax as dj
 from experiments import workflow
 from ddtree_jax import chat, engine
 from ddtree_jax.checkpoints import hf as checkpoint
@@ -28,9 +29,15 @@ from ddtree_jax.serving import server
 from ddtree_jax.serving import slots
 
 
-def slot_config(cfg) -> slots.SlotConfig:
-  """The SlotConfig of cfg.serve (ValueError naming the field for a bad value)."""
+MAX_DEFAULT_CAPACITY = 4096  # serve.capacity 0: the model's positions, at most this many
+
+
+def slot_config(cfg, max_positions: int | None = None) -> slots.SlotConfig:
+  """The SlotConfig of cfg.serve (ValueError naming the field for a bad value). serve.capacity 0
+  fits the model: its `max_positions` (at most MAX_DEFAULT_CAPACITY), with the prompt buckets
+  below it."""
   s = cfg.serve
+  capacity = s.capacity or min(max_positions or MAX_DEFAULT_CAPACITY, MAX_DEFAULT_CAPACITY)
   try:
     buckets = tuple(int(b) for b in str(s.prompt_buckets).split(",") if b)
   except ValueError:
@@ -45,9 +52,11 @@ def slot_config(cfg) -> slots.SlotConfig:
     raise ValueError(f"SlotConfig.budget must be an integer or 'auto', budgets integers and "
                      f"budget_costs numbers (comma lists), got {s.budget!r}, "
                      f"{s.auto_budgets!r}, {s.budget_costs!r}") from None
+  if not s.capacity:  # a bucket as long as the whole cache leaves no room to generate
+    buckets = tuple(b for b in buckets if b < capacity) or (capacity // 2,)
   return slots.SlotConfig(
       method=s.method, budget=budget, budgets=budgets, budget_costs=costs if auto else None,
-      slots=s.slots, capacity=s.capacity,
+      slots=s.slots, capacity=capacity,
       chunk_steps=s.chunk_steps, max_chunk_steps=s.max_chunk_steps, pipeline=s.pipeline,
       refill_wait=s.refill_wait, max_queue=s.max_queue, attention=cfg.attention or None,
       sampling=s.sampling, max_top_k=s.max_top_k, prompt_buckets=buckets)
@@ -64,9 +73,23 @@ def tokenizer_dir(cfg) -> str | None:
   return None if cfg.random_target else cfg.target
 
 
+def model_name(cfg) -> str:
+  """The model's id when serve.model_name is unset: the bundled pair's name, random-<type> for
+  a random target, else the checkpoint folder's name."""
+  if cfg.random_target:
+    return f"random-{cfg.shape.model_type}"
+  if os.path.realpath(cfg.target) == os.path.realpath(os.path.join(dj.DEFAULT_MODEL_DIR,
+                                                                   "target")):
+    return BUNDLED_NAME
+  return os.path.basename(os.path.normpath(cfg.target))
+
+
+BUNDLED_NAME = "ddtree-jax-default"  # the bundled pair's model id
+
+
 def build(cfg):
   """(engine warmed up but not started, FastAPI app, model name, warm-up seconds) for cfg."""
-  slot_cfg = slot_config(cfg)
+  slot_config(cfg)  # bad serve settings are named before the models load
   tok_dir = tokenizer_dir(cfg)
   if cfg.random_target and cfg.drafter:
     raise workflow.ConfigError(f"drafter {cfg.drafter!r} is a checkpoint's, random_target is set: "
@@ -76,10 +99,10 @@ def build(cfg):
     raise workflow.ConfigError(f"both drafter={cfg.drafter!r} and random_drafter=True are set")
   target, drafter = workflow.load_models(cfg)
   tokenizer = checkpoint.load_tokenizer(tok_dir) if tok_dir else None
-  eng = slots.SlotEngine(target, drafter, slot_cfg)
+  eng = slots.SlotEngine(target, drafter,
+                         slot_config(cfg, target.config.max_position_embeddings))
   warm = eng.warm_up()
-  name = cfg.serve.model_name or (f"random-{cfg.shape.model_type}" if cfg.random_target else
-                                  os.path.basename(os.path.normpath(cfg.target)))
+  name = cfg.serve.model_name or model_name(cfg)
   template, special = chat.load_chat_template(tok_dir)
   return eng, server.make_app(eng, tokenizer, name, template, special), name, warm
 

@@ -46,11 +46,17 @@ def test_config_defaults_are_the_options_defaults():
 
 
 def test_serve_config_defaults_are_slot_config_defaults():
-  """configs/serve.py's serve.* are SlotConfig's defaults but its capacity (and method "ar"
-  without a drafter)."""
+  """configs/serve.py's serve.* are SlotConfig's defaults (and method "ar" without a drafter)
+  but its capacity, which fits the model's positions (at most 4096) with the prompt buckets
+  below it: the bundled pair's 256 positions give 256 rows and buckets 16 and 64."""
   cfg = workflow.load_config("configs/serve.py")
-  assert serve.slot_config(cfg) == slots.SlotConfig(method=cfg.serve.method,
-                                                    capacity=cfg.serve.capacity)
+  assert serve.slot_config(cfg, 32768) == slots.SlotConfig(method=cfg.serve.method,
+                                                           capacity=4096)
+  small = serve.slot_config(cfg, 256)
+  assert small.capacity == 256 and small.prompt_buckets == (16, 64)
+  cfg.serve.capacity = 512  # as set: kept, and its buckets as given
+  assert serve.slot_config(cfg, 256) == slots.SlotConfig(method=cfg.serve.method, capacity=512)
+  assert serve.model_name(cfg) == "ddtree-jax-default"
 
 
 def test_the_server_reads_the_per_request_fields():
