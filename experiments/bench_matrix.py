@@ -334,9 +334,7 @@ def print_table(rows) -> None:
 
 
 def main(_):
-  from absl import logging  # pylint: disable=import-outside-toplevel
   from ddtree_jax import sharding  # pylint: disable=import-outside-toplevel
-  logging.set_verbosity(logging.WARNING)
   if _PLOT_FROM.value:  # table + plots of an earlier run (e.g. one from a GPU machine)
     rows, meta = load_rows(_PLOT_FROM.value)
     print_table(rows)

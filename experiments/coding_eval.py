@@ -225,9 +225,7 @@ def run(cfg, mesh=None) -> dict:
 
 
 def main(_):
-  from absl import logging  # pylint: disable=import-outside-toplevel
   from ddtree_jax import sharding  # pylint: disable=import-outside-toplevel
-  logging.set_verbosity(logging.WARNING)
   out = run(_CONFIG.value, sharding.mesh_from_flags())
   print(json.dumps({"results": out["summary"]}))
 

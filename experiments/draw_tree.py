@@ -49,8 +49,6 @@ def run(cfg, out_path=None) -> dict:
 
 
 def main(_):
-  from absl import logging  # pylint: disable=import-outside-toplevel
-  logging.set_verbosity(logging.WARNING)
   print(json.dumps(run(_CONFIG.value)))
 
 

@@ -14,7 +14,6 @@ import time
 
 from absl import app
 from absl import flags
-from absl import logging
 
 import numpy as np
 
@@ -93,7 +92,6 @@ engine.define_compilation_cache_flags()
 
 def main(_):
   engine.compilation_cache_from_flags()
-  logging.set_verbosity(logging.WARNING)
   t0 = time.perf_counter()
   if os.path.dirname(_OUT.value):
     os.makedirs(os.path.dirname(_OUT.value), exist_ok=True)

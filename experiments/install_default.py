@@ -12,7 +12,6 @@ import shutil
 
 from absl import app
 from absl import flags
-from absl import logging
 
 import ddtree_jax as dj
 from ddtree_jax.training import data
@@ -27,7 +26,6 @@ FILES = {"target": ("config.json", "generation_config.json", "model.safetensors"
 
 
 def main(_):
-  logging.set_verbosity(logging.WARNING)
   src = {k: os.path.join(_WORKDIR.value, k, "hf") for k in FILES}
   size = sum(os.path.getsize(os.path.join(src[k], f)) for k, fs in FILES.items() for f in fs
              if os.path.exists(os.path.join(src[k], f)))

@@ -25,7 +25,6 @@ import os
 import time
 
 from absl import app
-from absl import logging
 from ml_collections import config_flags
 
 import jax
@@ -50,7 +49,6 @@ sharding.define_layout_flag()
 
 def main(_):
   engine.compilation_cache_from_flags()
-  logging.set_verbosity(logging.WARNING)
   cfg = _CONFIG.value
   t0 = time.perf_counter()
   if cfg.stage not in ("regenerate", "train", "all"):

@@ -14,7 +14,6 @@ import os
 import time
 
 from absl import app
-from absl import logging
 from ml_collections import config_flags
 
 import jax
@@ -60,7 +59,6 @@ engine.define_compilation_cache_flags()
 
 def main(_):
   engine.compilation_cache_from_flags()
-  logging.set_verbosity(logging.WARNING)
   cfg = _CONFIG.value
   t0 = time.perf_counter()
   tok, train_tokens, heldout_tokens = data.prepare_corpus(
