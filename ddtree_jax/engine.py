@@ -249,7 +249,8 @@ def generate(target: Target, prompts: Sequence[Sequence[int]], *, method: str = 
   return GenerateResult(
       tokens=[out[b, :n_out[b]].tolist() for b in range(len(prompts))],
       stats={
-          "method": method, "budget": "auto" if lc.budgets else lc.budget, "steps": steps,
+          "method": method, "steps": steps,
+          "budget": "auto" if lc.budgets else (lc.budget if method == "ddtree" else None),
           "tau": float(np.mean(flat)) if flat else 0.0,
           "acceptance_lengths": per_seq,
           "tokens_per_second": new_in_loop / (t3 - t2) if new_in_loop else 0.0,

@@ -116,3 +116,8 @@ def test_first_mistakes_are_named(target):
   assert e.value.field == "max_new_tokens"
   with pytest.raises(RequestError, match=r"temperature must be in \[0.0, 2.0\], got 2.5"):
     dj.generate(target, [[1, 2]], max_new_tokens=2, temperature=2.5)
+
+
+def test_stats_name_no_budget_for_methods_without_one(target):
+  """stats["budget"] is None for AR (and chain), as the scripts' JSON rows write it."""
+  assert dj.generate(target, [[1, 2]], max_new_tokens=2).stats["budget"] is None
