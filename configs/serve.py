@@ -2,7 +2,7 @@
 default, DDTree at one budget chosen at start, greedy or sampled per request.
 
   python -m experiments.serve --config=configs/serve.py --config.target=/models/Qwen3-8B \
-      --config.drafter=/models/Qwen3-8B-DFlash --config.dtype=bfloat16 --config.serve.budget=32
+      --config.drafter=/models/Qwen3-8B-DFlash-b16 --config.dtype=bfloat16 --config.serve.budget=32
   python -m experiments.serve --config=configs/serve.py --config.random_target=True \
       --config.random_drafter=True --config.drafter= --config.dtype=bfloat16 \
       --config.serve.tokenizer=ddtree_jax/default_model/target   # random Qwen3-8B shape
