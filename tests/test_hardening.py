@@ -87,7 +87,8 @@ def test_bad_requests_are_named(target, kwargs, match):
 @pytest.mark.parametrize("kwargs,match", [
     (dict(method="ddtree", budget=1.5), "budget must be an integer"),
     (dict(method="ddtree", budget=True), "budget must be an integer"),
-    (dict(method="ddtree", budget="32"), r"budget must be an integer, got '32' \(str\)"),
+    (dict(method="ddtree", budget="32"),
+     r"budget must be an integer in \[1, 1024\] or 'auto', got '32'"),
     (dict(method="ddtree", budget=8, topk_cap=1.5), "topk_cap must be an integer"),
     (dict(method="chain", budget=8), "budget is only used by method='ddtree', not 'chain'"),
     (dict(method="chain", topk_cap=4), "topk_cap is only used"),

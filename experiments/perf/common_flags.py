@@ -51,13 +51,14 @@ def define(*names: str, **defaults) -> None:
 
 def start(smoke: dict | None = None) -> types.SimpleNamespace:
   """main's first step: the persistent compilation cache on as the flags say. Returns the flags
-  as attributes; with --smoke, the values in `smoke` replace theirs (tiny shapes for a CPU run)."""
+  as attributes; with --smoke, the values in `smoke` replace the defaults of flags not given on
+  the command line (tiny shapes for a CPU run)."""
   # imported here: ref_hf_moe.py takes these flags in a python without jax
   from ddtree_jax import engine  # pylint: disable=import-outside-toplevel
   engine.compilation_cache_from_flags()
   values = flags.FLAGS.flag_values_dict()
   if smoke and values.get("smoke"):
-    values.update(smoke)
+    values.update({k: v for k, v in smoke.items() if not flags.FLAGS[k].present})
   return types.SimpleNamespace(**values)
 
 
