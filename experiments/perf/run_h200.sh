@@ -151,7 +151,8 @@ case $what in
                  # resumed to its last step (bitwise), exported; regenerated data, the drafter,
                  # installed into WORKDIR/default_model and packed into OUT (15 MB parts). A fresh
                  # machine has no checkpoint: pair_rest then stops at once. PRESET=:smoke
-                 # (with STOP=15) runs both on a CPU in a few minutes.
+                 # (with STOP=15) runs both on a CPU in a few minutes. TARGET_ARGS (both calls,
+                 # e.g. a shorter schedule) and DRAFTER_ARGS: more config overrides.
     w=${WORKDIR:-out/pair}
     wheels /tmp/site_pair
     if [ "$what" = pair_target ]; then
@@ -159,14 +160,15 @@ case $what in
               --config.train.progress_bar=False)
       timeout 120 $py -m experiments.train_tokenizer "${common[@]}" >"$out/pair_corpus.log" 2>&1
       timeout 500 $py -m experiments.train_target "${common[@]}" \
-        --config.train.stop_at_step=${STOP:-3500} >"$out/pair_target.log" 2>&1
+        --config.train.stop_at_step=${STOP:-3500} ${TARGET_ARGS:-} >"$out/pair_target.log" 2>&1
       tail -n 3 "$out/pair_target.log"
     else
       if ! ls -d $w/target/checkpoints/* >/dev/null 2>&1; then
         echo "no checkpoint under $w: a fresh machine (run pair_target first)"; exit 1
       fi
-      PRESET=${PRESET:-} TARGET_ARGS="--config.train.progress_bar=False" \
-        DRAFTER_ARGS="--config.train.progress_bar=False" WORKDIR=$w INSTALL=$w/default_model \
+      PRESET=${PRESET:-} TARGET_ARGS="--config.train.progress_bar=False ${TARGET_ARGS:-}" \
+        DRAFTER_ARGS="--config.train.progress_bar=False ${DRAFTER_ARGS:-}" WORKDIR=$w \
+        INSTALL=$w/default_model \
         PY=$py timeout 560 bash experiments/train_default.sh >"$out/pair_rest.log" 2>&1
       tail -n 4 "$out/pair_rest.log"
       tar czf "$out/pair_logs.tgz" -C $w target/metrics.json target/loss.png drafter/metrics.json \
