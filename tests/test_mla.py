@@ -163,8 +163,8 @@ def setup(tmp_path_factory):
                                   (0, 2)))
 
 
-@pytest.mark.parametrize("method,budget", [("chain", None), ("ddtree", 1), ("ddtree", 8),
-                                           ("ddtree", 16), ("ddtree", 64), ("ddtree", 256)])
+@pytest.mark.parametrize("method,budget", [("chain", None), ("ddtree", 1), ("ddtree", 16),
+                                           ("ddtree", 256)])  # every budget: test_decode
 @pytest.mark.parametrize("batch", [1, 3])
 def test_speculative_decoding_is_lossless(setup, method, budget, batch):
   target, drafter, ar = setup
@@ -267,8 +267,7 @@ def test_fp8_without_its_scale_is_named(tmp_path):
 # Tensor and expert parallelism on 8 CPU devices
 
 
-@pytest.mark.parametrize("shape", [{"tp": 2}, {"tp": 4}, {"ep": 8}, {"tp": 2, "ep": 4},
-                                   {"tp": 4, "ep": 2}])
+@pytest.mark.parametrize("shape", [{"tp": 4}, {"ep": 8}, {"tp": 2, "ep": 4}])
 def test_meshes_give_the_tokens_of_one_device(setup, shape):
   target, drafter, ar = setup
   mesh = sharding.make_mesh({"dp": 1, "tp": 1, **shape})

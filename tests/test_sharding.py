@@ -23,8 +23,7 @@ from helpers import oracle_drafter, write_drafter, write_target
 
 M = 24
 PROMPTS = [[3, 17, 99, 4, 250, 31, 8], [42], [7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 9], [200, 1, 0]]
-MESHES = [{"dp": 1, "tp": 1}, {"dp": 1, "tp": 2}, {"dp": 1, "tp": 4}, {"dp": 1, "tp": 8},
-          {"dp": 2, "tp": 4}]
+MESHES = [{"dp": 1, "tp": 1}, {"dp": 1, "tp": 2}, {"dp": 1, "tp": 8}, {"dp": 2, "tp": 4}]
 BUDGET = 16
 
 
