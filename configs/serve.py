@@ -34,6 +34,8 @@ def get_config():
   s.tokenizer = ""                  # a directory with tokenizer.json: encodes prompts, decodes
                                     # ids ("" = the target's; a random target has none, e.g.
                                     # ddtree_jax/default_model/target; unknown ids decode to "")
+  s.strict_fields = False           # a request body with fields the server does not read: False
+                                    # logs them (WARNING) and serves it, True answers it 400
   d = SlotConfig  # (its class attributes: the fields' defaults)
   s.method = d.method if c.drafter else "ar"  # ar | chain | ddtree
   s.budget = str(d.budget)          # DDTree nodes per verify, fixed at start; or "auto": each

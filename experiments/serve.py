@@ -104,7 +104,9 @@ def build(cfg):
   warm = eng.warm_up()
   name = cfg.serve.model_name or model_name(cfg)
   template, special = chat.load_chat_template(tok_dir)
-  return eng, server.make_app(eng, tokenizer, name, template, special), name, warm
+  api = server.make_app(eng, tokenizer, name, template, special,
+                        strict_fields=cfg.serve.strict_fields)
+  return eng, api, name, warm
 
 
 def main(_):

@@ -7,6 +7,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import json
+import logging
 import os
 import random
 import socket
@@ -201,6 +202,41 @@ def test_bad_input_is_a_400_naming_the_field_and_the_server_keeps_serving(live, 
     r = httpx.post(url + "/v1/chat/completions", json={"messages": messages}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages", messages
   assert httpx.get(url + "/health", timeout=10).json()["status"] == "ok"
+
+
+def test_unknown_fields_are_logged_once_or_refused_under_strict_fields(live, caplog):
+  """A body field the endpoint does not read is logged at WARNING (once per request, naming
+  every such field) and the request served; an app with strict_fields answers 400 naming them
+  and serves the same body without them. Every field the server reads stays accepted."""
+  url, engine, target, _ = live
+  known = {"model": "ddtree-default", "max_tokens": 4, "temperature": 0, "top_p": 1.0,
+           "top_k": -1, "seed": 3, "stop": ["\n\n\n"], "stop_token_ids": [], "n": 1,
+           "stream": False, "stream_options": None}
+  chat = {"messages": [{"role": "user", "content": "hi"}], **known}
+  completion = {"prompt": [5, 6, 7], **known}
+  with caplog.at_level(logging.WARNING, logger=server.__name__):
+    r = httpx.post(url + "/v1/completions", json={**completion, "foo": 1, "logprobs": 2},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    r = httpx.post(url + "/v1/chat/completions", json={**chat, "prompt": "x"}, timeout=60)
+    assert r.status_code == 200, r.text
+    for path, body in (("/v1/completions", completion), ("/v1/chat/completions", chat)):
+      assert httpx.post(url + path, json=body, timeout=60).status_code == 200
+  logged = [rec.getMessage() for rec in caplog.records if rec.name == server.__name__]
+  assert logged == ["ignoring unknown field(s) ['foo', 'logprobs']",
+                    "ignoring unknown field(s) ['prompt']"]
+  strict = server.make_app(engine, target.tokenizer, "ddtree-default", strict_fields=True)
+  with _serving(strict) as strict_url:
+    r = httpx.post(strict_url + "/v1/completions", json={**completion, "foo": 1, "logprobs": 2},
+                   timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "foo, logprobs", r.text
+    assert "['foo', 'logprobs']" in r.json()["error"]["message"]
+    r = httpx.post(strict_url + "/v1/chat/completions", json={**chat, "prompt": "x"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    for path, body in (("/v1/completions", completion), ("/v1/chat/completions", chat)):
+      r = httpx.post(strict_url + path, json=body, timeout=60)
+      assert r.status_code == 200, (path, r.text)
+    assert httpx.get(strict_url + "/health", timeout=10).json()["status"] == "ok"
 
 
 def test_a_full_queue_is_a_429_and_a_disconnected_stream_frees_its_slot(live):
