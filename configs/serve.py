@@ -47,6 +47,8 @@ def get_config():
                                     # model's positions, at most 4096; buckets below it)
   s.chunk_steps = d.chunk_steps     # decode steps per chunk between two admissions
   s.max_chunk_steps = d.max_chunk_steps  # ... while requests come one at a time
+  s.stream_steps = d.stream_steps   # ... while a streaming request decodes (1: each step's
+                                    # tokens are sent as the step commits them)
   s.pipeline = d.pipeline           # ... and dispatch the next chunk before streaming the last
                                     # (on a GPU the dispatch waits for the chunk: no overlap)
   s.refill_wait = d.refill_wait     # after a chunk that ended requests, wait up to this fraction

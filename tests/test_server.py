@@ -117,6 +117,26 @@ def test_completions_and_chat_with_the_openai_client(live):
   assert parts[-1].usage.completion_tokens == MAX_TOKENS
 
 
+def test_a_stream_sends_each_decode_steps_tokens_as_the_step_commits_them(live):
+  """A streamed request of 48 tokens gets one event for its first token and one per decode step
+  that commits its tokens (chunks of stream_steps = 1 while it streams, not one event per chunk
+  of up to 32 steps), and the events' text is the non-streamed request's."""
+  url, engine, _, _ = live
+  client = _client(url)
+  kw = dict(model="ddtree-default", prompt="def fibonacci(n):\n", max_tokens=48)
+  whole = client.completions.create(**kw)
+  count = lambda: {k: engine.metrics().get(k, 0) for k in ("chunks", "stream_chunks", "steps")}
+  before = count()
+  events = list(client.completions.create(stream=True, **kw))
+  ran = {k: v - before[k] for k, v in count().items()}
+  acc = events[-1].model_extra["ddtree"]["acceptance_lengths"]
+  assert acc == whole.model_extra["ddtree"]["acceptance_lengths"]
+  assert len(events) == len(acc) + 1 > 2
+  assert ran == {"chunks": len(acc), "stream_chunks": len(acc), "steps": len(acc)}
+  assert "".join(e.choices[0].text for e in events) == whole.choices[0].text
+  assert events[-1].choices[0].finish_reason == "length"
+
+
 def test_stop_strings_and_token_ids(live):
   url, _, target, drafter = live
   prompt = "def add(a, b):\n"

@@ -180,13 +180,14 @@ def make_app(engine: slots_lib.SlotEngine, tokenizer, model_name: str,
       raise RequestError("stream must be true or false", "stream")
     return request_options(body), stop, stream
 
-  async def run(prompt_ids, opts, stop):
-    """Submits the request; yields (text delta, token count, finish_reason) as chunks come."""
+  async def run(prompt_ids, opts, stop, stream):
+    """Submits the request (`stream`: its tokens are sent per decode step); yields (text delta,
+    token count, finish_reason, the request) as chunks come."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
     emit = lambda toks, reason: loop.call_soon_threadsafe(queue.put_nowait, (toks, reason))
     try:
-      req = engine.submit(prompt_ids, opts, emit)
+      req = engine.submit(prompt_ids, opts, emit, stream=stream)
     except RequestError as e:
       raise json_error(e) from None
     except slots_lib.QueueFull as e:
@@ -219,7 +220,7 @@ def make_app(engine: slots_lib.SlotEngine, tokenizer, model_name: str,
   async def respond(prompt_ids, body, chat: bool):
     opts, stop, stream = options(body)
     rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
-    gen = run(prompt_ids, opts, stop)
+    gen = run(prompt_ids, opts, stop, stream)
     first = await gen.__anext__()  # a bad request raises here, before any byte is sent
 
     def usage(n):
