@@ -12,8 +12,9 @@ with the server's limits. Temperature 0 (also when absent) is greedy; above 0 a 
 (top_p; top_k -1 or 0 is off) with its own seed (absent: a random one): same seed, same tokens,
 whatever shares the batch, and those of offline `generate` with that seed. Only the stop ids and
 strings a request names end it. A body field neither endpoint reads (`KNOWN_FIELDS`) is logged
-at WARNING and ignored, or answered 400 under `strict_fields`. `usage` counts prompt and completion tokens; the extension field
-`ddtree.acceptance_lengths` lists the tokens each decode step committed for the request. Bad
+at WARNING and ignored, or answered 400 under `strict_fields`. `usage` counts prompt and
+completion tokens; the extension field `ddtree.acceptance_lengths` lists the tokens each decode
+step committed for the request; a stream sends them as each step commits them. Bad
 input is answered 400 with the field named (a `request.RequestError`), a full queue 429; the
 server keeps serving either way. A client that disconnects mid-stream frees its slot.
 """

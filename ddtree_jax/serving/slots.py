@@ -264,8 +264,9 @@ class SlotEngine:
   def submit(self, prompt: Sequence[int], options: GenerateOptions,
              emit: Callable[[list[int], str | None], None],
              stream: bool = False) -> SlotRequest:
-    """Queues a request (`stream`: see SlotRequest): RequestError for one this server cannot serve (`GenerateOptions.check`
-    with its limits: only the per-request fields set), QueueFull when the queue is full."""
+    """Queues a request (`stream`: see SlotRequest): RequestError for one this server cannot
+    serve (`GenerateOptions.check` with its limits: only the per-request fields set), QueueFull
+    when the queue is full."""
     prompts, options = options.check(self.target, self.drafter, [prompt],
                                       server=self.config.limits())
     req = SlotRequest(prompt=prompts[0], options=options, emit=emit, stream=stream)
@@ -409,8 +410,9 @@ class SlotEngine:
 
   def metrics(self) -> dict:
     """Queue depth, active slots and the counters since start (chunks, those of a request alone
-    and those run while a request streams, steps, tokens; host seconds launching chunks, waiting for results, handling them and waiting
-    for requests to refill slots; budget="auto": steps_budget_B, the steps that chose B)."""
+    and those run while a request streams, steps, tokens; host seconds launching chunks, waiting
+    for results, handling them and waiting for requests to refill slots; budget="auto":
+    steps_budget_B, the steps that chose B)."""
     with self.lock:
       queued = len(self.queue)
     return dict(queue_depth=queued, active_slots=len(self.active), slots=self.config.slots,
