@@ -34,6 +34,8 @@ def get_config():
   s.tokenizer = ""                  # a directory with tokenizer.json: encodes prompts, decodes
                                     # ids ("" = the target's; a random target has none, e.g.
                                     # ddtree_jax/default_model/target; unknown ids decode to "")
+  s.strict_fields = False           # a request body with fields the server does not read: False
+                                    # logs them (WARNING) and serves it, True answers it 400
   d = SlotConfig  # (its class attributes: the fields' defaults)
   s.method = d.method if c.drafter else "ar"  # ar | chain | ddtree
   s.budget = str(d.budget)          # DDTree nodes per verify, fixed at start; or "auto": each
@@ -45,6 +47,8 @@ def get_config():
                                     # model's positions, at most 4096; buckets below it)
   s.chunk_steps = d.chunk_steps     # decode steps per chunk between two admissions
   s.max_chunk_steps = d.max_chunk_steps  # ... while requests come one at a time
+  s.stream_steps = d.stream_steps   # ... while a streaming request decodes (1: each step's
+                                    # tokens are sent as the step commits them)
   s.pipeline = d.pipeline           # ... and dispatch the next chunk before streaming the last
                                     # (on a GPU the dispatch waits for the chunk: no overlap)
   s.refill_wait = d.refill_wait     # after a chunk that ended requests, wait up to this fraction

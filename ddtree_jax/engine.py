@@ -217,8 +217,12 @@ def generate(target: Target, prompts: Sequence[Sequence[int]], *, method: str = 
   draft's expected acceptance and each budget's step time (`budget_costs`, seconds per step;
   None: measured here first, `budget_costs()`), every `auto_every` steps (the steps between run
   the chosen budget's own step: `decode.auto_steps`); stats then hold each step's budget
-  ("chosen") and each row's expected accepted drafts per choosing step ("predicted", 0 at the
-  others).
+  ("chosen"), each row's expected accepted drafts per choosing step ("predicted", 0 at the
+  others) and the seconds this call spent measuring the costs ("auto_costs_seconds", apart from
+  compile and prefill: 0 once they were measured in this process or found on disk for these
+  shapes, or given). A second call of the same shapes and options reuses the compiled programs
+  (`engine._PROGRAMS`); these shape them: batch, prompt length (in steps of 16), cache capacity,
+  max_new_tokens, method, budget, temperature, top_k, top_p and stop ids.
   """
   options = GenerateOptions(
       method=method, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
@@ -232,6 +236,7 @@ def generate(target: Target, prompts: Sequence[Sequence[int]], *, method: str = 
   prefill, loop = _programs(args, capacity, statics)
   t1 = time.perf_counter()
   args = _costs(args, capacity, statics, options.check_values())
+  t_costs = time.perf_counter()
   state = jax.block_until_ready(prefill(*args))
   t2 = time.perf_counter()
   state = jax.block_until_ready(loop(target.params, dparams, state))
@@ -239,7 +244,8 @@ def generate(target: Target, prompts: Sequence[Sequence[int]], *, method: str = 
 
   out, n_out, accepted, steps = sharding.to_host((state.out, state.n_out, state.accepted,
                                                   state.step))
-  auto = {} if state.auto is None else _auto_stats(state.auto, accepted, len(prompts), lc)
+  auto = {} if state.auto is None else dict(
+      _auto_stats(state.auto, accepted, len(prompts), lc), auto_costs_seconds=t_costs - t1)
   n = len(prompts)  # rows past n are dp padding
   out, n_out, accepted = out[:n], n_out[:n], accepted[:, :n]
   steps = int(steps)
@@ -254,7 +260,7 @@ def generate(target: Target, prompts: Sequence[Sequence[int]], *, method: str = 
           "tau": float(np.mean(flat)) if flat else 0.0,
           "acceptance_lengths": per_seq,
           "tokens_per_second": new_in_loop / (t3 - t2) if new_in_loop else 0.0,
-          "compile_seconds": t1 - t0, "prefill_seconds": t2 - t1, "decode_seconds": t3 - t2,
+          "compile_seconds": t1 - t0, "prefill_seconds": t2 - t_costs, "decode_seconds": t3 - t2,
           "cache_capacity": capacity, "attention": lc.kernels.attention, **auto,
       })
 

@@ -57,7 +57,8 @@ def slot_config(cfg, max_positions: int | None = None) -> slots.SlotConfig:
   return slots.SlotConfig(
       method=s.method, budget=budget, budgets=budgets, budget_costs=costs if auto else None,
       slots=s.slots, capacity=capacity,
-      chunk_steps=s.chunk_steps, max_chunk_steps=s.max_chunk_steps, pipeline=s.pipeline,
+      chunk_steps=s.chunk_steps, max_chunk_steps=s.max_chunk_steps,
+      stream_steps=s.stream_steps, pipeline=s.pipeline,
       refill_wait=s.refill_wait, max_queue=s.max_queue, attention=cfg.attention or None,
       sampling=s.sampling, max_top_k=s.max_top_k, prompt_buckets=buckets)
 
@@ -104,7 +105,9 @@ def build(cfg):
   warm = eng.warm_up()
   name = cfg.serve.model_name or model_name(cfg)
   template, special = chat.load_chat_template(tok_dir)
-  return eng, server.make_app(eng, tokenizer, name, template, special), name, warm
+  api = server.make_app(eng, tokenizer, name, template, special,
+                        strict_fields=cfg.serve.strict_fields)
+  return eng, api, name, warm
 
 
 def main(_):

@@ -5,6 +5,7 @@ and measured costs kept on disk."""
 
 import dataclasses
 import os
+import time
 
 import jax
 from jax.experimental.compilation_cache import compilation_cache
@@ -234,6 +235,38 @@ def test_measured_costs_are_kept_on_disk_and_reused(dense, cache_dir, monkeypatc
   assert dj.budget_costs(target, PROMPTS[:1], **{k: v for k, v in kw.items()
                                                  if k not in ("method", "budget")}) == dict(
                                                      zip((0, 8), costs))
+
+
+def test_costs_are_measured_once_a_process_and_reported_apart(dense, monkeypatch):
+  """The first budget="auto" call of some shapes measures the costs and reports those seconds as
+  auto_costs_seconds, outside prefill_seconds; a second identical call measures nothing,
+  compiles nothing and gives the same costs and tokens."""
+  target, drafter, ar = dense
+  before = jax.config.jax_compilation_cache_dir  # (no costs on disk: only this process's)
+  jax.config.update("jax_compilation_cache_dir", None)
+  monkeypatch.setattr(auto_costs, "_MEMORY", {})
+  measured, measure, pause = [], auto_costs.measure, 1.0
+
+  def slow(*a):  # a measurement that takes at least `pause` seconds
+    measured.append(a)
+    time.sleep(pause)
+    return measure(*a)
+  monkeypatch.setattr(auto_costs, "measure", slow)
+  kw = dict(method="ddtree", drafter=drafter, budget="auto", budgets=(0, 8), max_new_tokens=16,
+            stop_token_ids=())
+  try:
+    first = dj.generate(target, PROMPTS[:1], **kw)
+    programs = len(engine._PROGRAMS)  # pylint: disable=protected-access
+    second = dj.generate(target, PROMPTS[:1], **kw)
+  finally:
+    jax.config.update("jax_compilation_cache_dir", before)
+  one, two = first.stats, second.stats
+  assert len(measured) == 1
+  assert len(engine._PROGRAMS) == programs  # pylint: disable=protected-access
+  assert one["auto_costs_seconds"] >= pause > one["prefill_seconds"]
+  assert two["auto_costs_seconds"] < 0.1 and two["compile_seconds"] < 0.1
+  assert two["budget_costs"] == one["budget_costs"]
+  assert second.tokens == first.tokens == [ar[0][:16]]
 
 
 def test_sampling_with_auto_follows_the_targets_distribution():

@@ -97,6 +97,29 @@ def test_precompile_and_persistent_cache(tmp_path):
     assert os.listdir(cache_dir)
 
 
+def test_a_second_generate_call_of_the_same_shapes_compiles_nothing(tmp_path):
+  """In one process, a second call with the same shapes and options (the same prompts, other
+  prompts of the same padded length, a target and drafter loaded again) runs the programs of
+  the first: no compile, the program table as it was, compile_seconds near 0, the same tokens."""
+  from ddtree_jax import engine
+  path = os.path.join(FIXTURES, "qwen3_gqa")
+  target = dj.load_target(path, dtype="float32")
+  d_dir = write_drafter(str(tmp_path / "d"), target.config)
+  kw = dict(method="ddtree", budget=5, max_new_tokens=9, stop_token_ids=())
+  prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+  first = dj.generate(target, prompts, drafter=dj.load_drafter(d_dir, target), **kw)
+  before = len(engine._PROGRAMS)  # pylint: disable=protected-access
+  again = dj.load_target(path, dtype="float32")
+  with compiled_programs() as names:
+    same = dj.generate(target, prompts, drafter=dj.load_drafter(d_dir, target), **kw)
+    reloaded = dj.generate(again, prompts, drafter=dj.load_drafter(d_dir, again), **kw)
+    other = dj.generate(target, [[9, 8, 7, 6], [3, 2]], drafter=dj.load_drafter(d_dir, target),
+                        **kw)
+  assert names == [] and len(engine._PROGRAMS) == before  # pylint: disable=protected-access
+  assert same.tokens == reloaded.tokens == first.tokens and len(other.tokens[0]) == 9
+  assert max(r.stats["compile_seconds"] for r in (same, reloaded, other)) < 0.1
+
+
 def test_the_compilation_cache_moves_to_a_new_directory(tmp_path):
   """enable_compilation_cache after the cache was opened elsewhere writes to the new place (JAX
   opens its cache once; the engine resets it)."""

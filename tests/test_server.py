@@ -7,6 +7,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import json
+import logging
 import os
 import random
 import socket
@@ -116,6 +117,26 @@ def test_completions_and_chat_with_the_openai_client(live):
   assert parts[-1].usage.completion_tokens == MAX_TOKENS
 
 
+def test_a_stream_sends_each_decode_steps_tokens_as_the_step_commits_them(live):
+  """A streamed request of 48 tokens gets one event for its first token and one per decode step
+  that commits its tokens (chunks of stream_steps = 1 while it streams, not one event per chunk
+  of up to 32 steps), and the events' text is the non-streamed request's."""
+  url, engine, _, _ = live
+  client = _client(url)
+  kw = dict(model="ddtree-default", prompt="def fibonacci(n):\n", max_tokens=48)
+  whole = client.completions.create(**kw)
+  count = lambda: {k: engine.metrics().get(k, 0) for k in ("chunks", "stream_chunks", "steps")}
+  before = count()
+  events = list(client.completions.create(stream=True, **kw))
+  ran = {k: v - before[k] for k, v in count().items()}
+  acc = events[-1].model_extra["ddtree"]["acceptance_lengths"]
+  assert acc == whole.model_extra["ddtree"]["acceptance_lengths"]
+  assert len(events) == len(acc) + 1 > 2
+  assert ran == {"chunks": len(acc), "stream_chunks": len(acc), "steps": len(acc)}
+  assert "".join(e.choices[0].text for e in events) == whole.choices[0].text
+  assert events[-1].choices[0].finish_reason == "length"
+
+
 def test_stop_strings_and_token_ids(live):
   url, _, target, drafter = live
   prompt = "def add(a, b):\n"
@@ -201,6 +222,41 @@ def test_bad_input_is_a_400_naming_the_field_and_the_server_keeps_serving(live, 
     r = httpx.post(url + "/v1/chat/completions", json={"messages": messages}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages", messages
   assert httpx.get(url + "/health", timeout=10).json()["status"] == "ok"
+
+
+def test_unknown_fields_are_logged_once_or_refused_under_strict_fields(live, caplog):
+  """A body field the endpoint does not read is logged at WARNING (once per request, naming
+  every such field) and the request served; an app with strict_fields answers 400 naming them
+  and serves the same body without them. Every field the server reads stays accepted."""
+  url, engine, target, _ = live
+  known = {"model": "ddtree-default", "max_tokens": 4, "temperature": 0, "top_p": 1.0,
+           "top_k": -1, "seed": 3, "stop": ["\n\n\n"], "stop_token_ids": [], "n": 1,
+           "stream": False, "stream_options": None}
+  chat = {"messages": [{"role": "user", "content": "hi"}], **known}
+  completion = {"prompt": [5, 6, 7], **known}
+  with caplog.at_level(logging.WARNING, logger=server.__name__):
+    r = httpx.post(url + "/v1/completions", json={**completion, "foo": 1, "logprobs": 2},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    r = httpx.post(url + "/v1/chat/completions", json={**chat, "prompt": "x"}, timeout=60)
+    assert r.status_code == 200, r.text
+    for path, body in (("/v1/completions", completion), ("/v1/chat/completions", chat)):
+      assert httpx.post(url + path, json=body, timeout=60).status_code == 200
+  logged = [rec.getMessage() for rec in caplog.records if rec.name == server.__name__]
+  assert logged == ["ignoring unknown field(s) ['foo', 'logprobs']",
+                    "ignoring unknown field(s) ['prompt']"]
+  strict = server.make_app(engine, target.tokenizer, "ddtree-default", strict_fields=True)
+  with _serving(strict) as strict_url:
+    r = httpx.post(strict_url + "/v1/completions", json={**completion, "foo": 1, "logprobs": 2},
+                   timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "foo, logprobs", r.text
+    assert "['foo', 'logprobs']" in r.json()["error"]["message"]
+    r = httpx.post(strict_url + "/v1/chat/completions", json={**chat, "prompt": "x"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    for path, body in (("/v1/completions", completion), ("/v1/chat/completions", chat)):
+      r = httpx.post(strict_url + path, json=body, timeout=60)
+      assert r.status_code == 200, (path, r.text)
+    assert httpx.get(strict_url + "/health", timeout=10).json()["status"] == "ok"
 
 
 def test_a_full_queue_is_a_429_and_a_disconnected_stream_frees_its_slot(live):

@@ -20,6 +20,7 @@ from ddtree_jax.speculative import decode
     (dict(chunk_steps=0), "chunk_steps"), (dict(slots=1.5), "slots"),
     (dict(chunk_steps=8, max_chunk_steps=4), "max_chunk_steps"),
     (dict(capacity=64, prompt_buckets=(16,), max_chunk_steps=65), "max_chunk_steps"),
+    (dict(stream_steps=0), "stream_steps"), (dict(stream_steps=33), "stream_steps"),
     (dict(pipeline="yes"), "pipeline"), (dict(method="beam"), "method"),
     (dict(refill_wait=1.5), "refill_wait"), (dict(refill_wait=True), "refill_wait"),
     (dict(prompt_buckets=(64, 16)), "prompt_buckets")])

@@ -11,8 +11,10 @@ max_new_tokens spelled max_tokens), checked by `GenerateOptions.check` as `engin
 with the server's limits. Temperature 0 (also when absent) is greedy; above 0 a request samples
 (top_p; top_k -1 or 0 is off) with its own seed (absent: a random one): same seed, same tokens,
 whatever shares the batch, and those of offline `generate` with that seed. Only the stop ids and
-strings a request names end it. `usage` counts prompt and completion tokens; the extension field
-`ddtree.acceptance_lengths` lists the tokens each decode step committed for the request. Bad
+strings a request names end it. A body field neither endpoint reads (`KNOWN_FIELDS`) is logged
+at WARNING and ignored, or answered 400 under `strict_fields`. `usage` counts prompt and
+completion tokens; the extension field `ddtree.acceptance_lengths` lists the tokens each decode
+step committed for the request; a stream sends them as each step commits them. Bad
 input is answered 400 with the field named (a `request.RequestError`), a full queue 429; the
 server keeps serving either way. A client that disconnects mid-stream frees its slot.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import logging
 import os
 import secrets
 import time
@@ -39,6 +42,13 @@ from ddtree_jax.serving import slots as slots_lib
 
 DEFAULT_MAX_TOKENS = 16  # the OpenAI API's, for a request without max_tokens
 JSON_NAMES = {"max_new_tokens": "max_tokens", "prompts": "prompt"}  # option -> its JSON field
+# The body fields each endpoint reads, by JSON name; any other is unknown (`unknown_fields`).
+_SHARED_FIELDS = ("model", "stop", "n", "stream", "stream_options",
+                  *(JSON_NAMES.get(f, f) for f in SLOT_FIELDS))
+KNOWN_FIELDS = {"completions": frozenset(_SHARED_FIELDS + ("prompt",)),
+                "chat": frozenset(_SHARED_FIELDS + ("messages",))}
+
+_LOG = logging.getLogger(__name__)
 
 
 def request_options(body: dict) -> GenerateOptions:
@@ -51,6 +61,18 @@ def request_options(body: dict) -> GenerateOptions:
     given["top_k"] = None
   return GenerateOptions(**{"max_new_tokens": DEFAULT_MAX_TOKENS, "stop_token_ids": (),
                             "seed": secrets.randbits(64), **given})
+
+
+def unknown_fields(body: dict, endpoint: str, strict: bool) -> list[str]:
+  """The body's fields `endpoint` ("completions" or "chat") does not read, sorted: a
+  RequestError naming them when `strict`, else logged once at WARNING and returned."""
+  unknown = sorted(set(body) - KNOWN_FIELDS[endpoint])
+  if unknown and strict:
+    raise RequestError(f"unknown field(s) {unknown}; this endpoint reads "
+                       f"{sorted(KNOWN_FIELDS[endpoint])}", ", ".join(unknown))
+  if unknown:
+    _LOG.warning("ignoring unknown field(s) %s", unknown)
+  return unknown
 
 
 def json_error(e: RequestError) -> RequestError:
@@ -106,9 +128,11 @@ class _Metrics:
 
 def make_app(engine: slots_lib.SlotEngine, tokenizer, model_name: str,
              chat_template: str = DEFAULT_CHAT_TEMPLATE,
-             special_tokens: dict[str, str] | None = None) -> fastapi.FastAPI:
+             special_tokens: dict[str, str] | None = None,
+             strict_fields: bool = False) -> fastapi.FastAPI:
   """The FastAPI app serving `engine` as model `model_name`; tokenizer: a `tokenizers`
-  Tokenizer (None: token-id prompts only, empty texts; `usage` counts the tokens either way)."""
+  Tokenizer (None: token-id prompts only, empty texts; `usage` counts the tokens either way);
+  strict_fields: answer a body with unknown fields 400 instead of ignoring them."""
   app = fastapi.FastAPI(title="ddtree-jax")
   metrics = _Metrics(engine)
   template = compile_template(chat_template)
@@ -129,13 +153,14 @@ def make_app(engine: slots_lib.SlotEngine, tokenizer, model_name: str,
       return ""
     return tokenizer.decode([i for i in ids if tokenizer.id_to_token(i) is not None])
 
-  async def parse(request: fastapi.Request) -> dict[str, Any]:
+  async def parse(request: fastapi.Request, endpoint: str) -> dict[str, Any]:
     try:
       body = json.loads(await request.body())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
       raise RequestError(f"malformed JSON: {e}", "body") from None
     if not isinstance(body, dict):
       raise RequestError("the body must be a JSON object", "body")
+    unknown_fields(body, endpoint, strict_fields)
     if body.get("model", model_name) != model_name:
       raise RequestError(f"unknown model {body.get('model')!r}; this server has {model_name!r}",
                          "model")
@@ -156,13 +181,14 @@ def make_app(engine: slots_lib.SlotEngine, tokenizer, model_name: str,
       raise RequestError("stream must be true or false", "stream")
     return request_options(body), stop, stream
 
-  async def run(prompt_ids, opts, stop):
-    """Submits the request; yields (text delta, token count, finish_reason) as chunks come."""
+  async def run(prompt_ids, opts, stop, stream):
+    """Submits the request (`stream`: its tokens are sent per decode step); yields (text delta,
+    token count, finish_reason, the request) as chunks come."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
     emit = lambda toks, reason: loop.call_soon_threadsafe(queue.put_nowait, (toks, reason))
     try:
-      req = engine.submit(prompt_ids, opts, emit)
+      req = engine.submit(prompt_ids, opts, emit, stream=stream)
     except RequestError as e:
       raise json_error(e) from None
     except slots_lib.QueueFull as e:
@@ -195,7 +221,7 @@ def make_app(engine: slots_lib.SlotEngine, tokenizer, model_name: str,
   async def respond(prompt_ids, body, chat: bool):
     opts, stop, stream = options(body)
     rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
-    gen = run(prompt_ids, opts, stop)
+    gen = run(prompt_ids, opts, stop, stream)
     first = await gen.__anext__()  # a bad request raises here, before any byte is sent
 
     def usage(n):
@@ -241,7 +267,7 @@ def make_app(engine: slots_lib.SlotEngine, tokenizer, model_name: str,
 
   @app.post("/v1/completions")
   async def completions(request: fastapi.Request):
-    body = await parse(request)
+    body = await parse(request, "completions")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
       prompt = prompt[0]  # a batch of one
@@ -258,7 +284,7 @@ def make_app(engine: slots_lib.SlotEngine, tokenizer, model_name: str,
 
   @app.post("/v1/chat/completions")
   async def chat_completions(request: fastapi.Request):
-    body = await parse(request)
+    body = await parse(request, "chat")
     messages = body.get("messages")
     if (not isinstance(messages, list) or not messages
         or not all(isinstance(m, dict) and isinstance(m.get("role"), str)

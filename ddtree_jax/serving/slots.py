@@ -14,7 +14,9 @@ outputs. The chunk marks a slot done at its max_new_tokens or one of its first `
 ids; the host cuts each request at all its stop ids and its max_new_tokens (tokens a slot computes
 past its end are dropped).
 
-Chunk length by load: while requests come one at a time (`_alone`), a chunk runs up to
+Chunk length by load: while a streaming request decodes, a chunk runs `stream_steps` steps (1:
+each step's tokens are sent as the step commits them; a chunk's tokens reach the host only when
+it ends). Else, while requests come one at a time (`_alone`), a chunk runs up to
 `max_chunk_steps` steps (it ends when the request does); with `pipeline` the next one is then
 dispatched before the host reads the last one's tokens (off by default: on a GPU a chunk's
 dispatch returns when its while loop ends, so nothing overlaps and the last chunk's tokens wait
@@ -51,7 +53,8 @@ from ddtree_jax.speculative.sampling import Settings, seed_key_data
 class SlotConfig:
   """The server's static shapes and its scheduling: method and budget, decode slots, cache rows
   per slot (prompt + generated tokens), prompt length buckets, queue length, attention; steps
-  per chunk (up to max_chunk_steps for a request alone, else chunk_steps), pipeline (for a request
+  per chunk (stream_steps while a streaming request decodes, else up to max_chunk_steps for a
+  request alone, else chunk_steps), pipeline (for a request
   alone, dispatch the next chunk before reading the last), refill_wait (after a chunk that ended
   requests, while slots are free and none wait, wait up to this fraction of its time for new
   ones); sampling (False: a greedy-only program that refuses temperature > 0), the largest top_k,
@@ -66,6 +69,7 @@ class SlotConfig:
   capacity: int = 1024
   chunk_steps: int = 8
   max_chunk_steps: int = 32
+  stream_steps: int = 1
   pipeline: bool = False
   refill_wait: float = 0.1
   prompt_buckets: tuple[int, ...] = (16, 64, 256)
@@ -86,14 +90,17 @@ class SlotConfig:
                                       or not 1 <= self.budget <= MAX_BUDGET):
       raise ValueError(f"SlotConfig.budget must be in [1, {MAX_BUDGET}] or 'auto', got "
                        f"{self.budget!r}")
-    for name in ("slots", "capacity", "chunk_steps", "max_chunk_steps", "max_queue", "max_top_k",
-                 "max_stop_ids"):
+    for name in ("slots", "capacity", "chunk_steps", "max_chunk_steps", "stream_steps",
+                 "max_queue", "max_top_k", "max_stop_ids"):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"SlotConfig.{name} must be an integer >= 1, got {value!r}")
     if not self.chunk_steps <= self.max_chunk_steps <= self.capacity:
       raise ValueError(f"SlotConfig.max_chunk_steps must be in [chunk_steps, capacity] = "
                        f"[{self.chunk_steps}, {self.capacity}], got {self.max_chunk_steps}")
+    if self.stream_steps > self.max_chunk_steps:
+      raise ValueError(f"SlotConfig.stream_steps must be in [1, max_chunk_steps] = "
+                       f"[1, {self.max_chunk_steps}], got {self.stream_steps}")
     if isinstance(self.refill_wait, bool) or not isinstance(self.refill_wait, (int, float)) \
         or not 0 <= self.refill_wait <= 1:
       raise ValueError(f"SlotConfig.refill_wait must be a number in [0, 1], got "
@@ -130,10 +137,12 @@ class QueueFull(RuntimeError):
 class SlotRequest:
   """A queued or decoding request of the slot engine: its prompt and checked options;
   `emit(tokens, finish_reason)` is called from the engine's thread with each chunk's new tokens
-  (finish_reason None until the last call: "stop" or "length")."""
+  (finish_reason None until the last call: "stop" or "length"); `stream`: its client reads the
+  tokens as they come (the chunks run `stream_steps` while it decodes)."""
   prompt: tuple[int, ...]
   options: GenerateOptions
   emit: Callable[[list[int], str | None], None]
+  stream: bool = False
   sent: int = 0                       # tokens emitted so far
   acceptance: list[int] = dataclasses.field(default_factory=list)
   cancelled: bool = False
@@ -171,7 +180,7 @@ class SlotEngine:
     self.settings = Settings.free(config.slots, config.max_stop_ids)  # host copy, per slot
     self._device_settings = None  # its device copy, None once a row changed
     self._steps = {n: jax.device_put(np.int32(n))  # the chunk's step counts, on device once
-                   for n in (config.chunk_steps, config.max_chunk_steps)}
+                   for n in (config.chunk_steps, config.max_chunk_steps, config.stream_steps)}
     self._company = collections.deque(maxlen=4)  # requests in the engine at the last admissions
 
   # -- device programs ----------------------------------------------------------------------
@@ -226,20 +235,24 @@ class SlotEngine:
     return len(self.active) <= 1 and not self.queue and max(self._company, default=1) <= 1
 
   def _launch(self):
-    """Dispatches the next chunk: up to max_chunk_steps for a request alone, else chunk_steps.
+    """Dispatches the next chunk: stream_steps while a request streams, else up to
+    max_chunk_steps for a request alone, else chunk_steps.
     Returns (its new tokens [slots, ...] on device, {slot: request} as it was dispatched, the
     time it was dispatched)."""
     if self._device_settings is None:
       self._device_settings = jax.tree.map(jnp.array, self.settings)  # copies
     cfg, alone = self.config, self._alone()
+    streams = any(r.stream for r in self.active.values())
     t0 = time.perf_counter()
     self.state, new = programs.chunk(
         self.target.params, self.dparams, self.state, self._device_settings,
-        self._steps[cfg.max_chunk_steps if alone else cfg.chunk_steps],
+        self._steps[cfg.stream_steps if streams else cfg.max_chunk_steps if alone
+                    else cfg.chunk_steps],
         max_steps=cfg.max_chunk_steps, **self._static)
     new.copy_to_host_async()
     self.stats["chunks"] += 1
     self.stats["alone_chunks"] += alone
+    self.stats["stream_chunks"] += streams
     self.stats["launch_s"] += time.perf_counter() - t0
     return new, dict(self.active), t0
 
@@ -249,12 +262,14 @@ class SlotEngine:
 
   # -- requests ------------------------------------------------------------------------------
   def submit(self, prompt: Sequence[int], options: GenerateOptions,
-             emit: Callable[[list[int], str | None], None]) -> SlotRequest:
-    """Queues a request: RequestError for one this server cannot serve (`GenerateOptions.check`
-    with its limits: only the per-request fields set), QueueFull when the queue is full."""
+             emit: Callable[[list[int], str | None], None],
+             stream: bool = False) -> SlotRequest:
+    """Queues a request (`stream`: see SlotRequest): RequestError for one this server cannot
+    serve (`GenerateOptions.check` with its limits: only the per-request fields set), QueueFull
+    when the queue is full."""
     prompts, options = options.check(self.target, self.drafter, [prompt],
                                       server=self.config.limits())
-    req = SlotRequest(prompt=prompts[0], options=options, emit=emit)
+    req = SlotRequest(prompt=prompts[0], options=options, emit=emit, stream=stream)
     with self.lock:
       if len(self.queue) >= self.config.max_queue:
         self.stats["rejected"] += 1
@@ -394,9 +409,10 @@ class SlotEngine:
       launched = nxt
 
   def metrics(self) -> dict:
-    """Queue depth, active slots and the counters since start (chunks, those of a request alone,
-    steps, tokens; host seconds launching chunks, waiting for results, handling them and waiting
-    for requests to refill slots; budget="auto": steps_budget_B, the steps that chose B)."""
+    """Queue depth, active slots and the counters since start (chunks, those of a request alone
+    and those run while a request streams, steps, tokens; host seconds launching chunks, waiting
+    for results, handling them and waiting for requests to refill slots; budget="auto":
+    steps_budget_B, the steps that chose B)."""
     with self.lock:
       queued = len(self.queue)
     return dict(queue_depth=queued, active_slots=len(self.active), slots=self.config.slots,
