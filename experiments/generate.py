@@ -12,6 +12,7 @@ training, from its TRAINING.json) and after the table what the same command meas
 budget, tau, forwards_per_100_tokens, tokens_per_second, identical_to_first, ...}]}.
 """
 
+import hashlib
 import json
 import os
 import textwrap
@@ -91,8 +92,15 @@ def gpu_summary(run_dir: str) -> str | None:
   parts = [f"{workflow.Plan.name(r['method'], r['budget'])} {r['tokens_per_second'] / base:.2f}x"
            for r in rows[1:]]
   same = all(r["identical_to_first"] for r in rows)
+  pair = "the same pair"
+  recorded = os.path.join(run_dir, "drafter.sha256")  # the drafter that run used
+  if os.path.exists(recorded):
+    with open(recorded) as f, open(os.path.join(dj.DEFAULT_MODEL_DIR, "drafter",
+                                                "model.safetensors"), "rb") as g:
+      if f.read().strip() != hashlib.sha256(g.read()).hexdigest():
+        pair = "the same target with the drafter shipped before this one"
   return (f"On one {card} ({'-'.join(date)}, `{GPU_COMMAND}`, float32, Pallas attention; "
-          f"{os.path.relpath(log, REPO)}) the same pair ran AR at {base:.0f} tokens/s and "
+          f"{os.path.relpath(log, REPO)}) {pair} ran AR at {base:.0f} tokens/s and "
           + ", ".join(parts) + " of it; " + round_costs(rows)
           + ("; every output identical to AR's." if same else "."))
 
