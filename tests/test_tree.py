@@ -14,6 +14,19 @@ from ddtree_jax.speculative.tree import build_tree
 build_jit = jax.jit(build_tree, static_argnums=(1, 2))
 
 
+@pytest.fixture(autouse=True, scope="module", params=["ranks", "sort"])
+def selection(request):
+  """Every test runs with both ways of taking a top-B: the all-pairs ranks a GPU uses up to
+  2048 candidates, and the stable sort every other platform uses (`tree.rank_select_max`).
+  The threshold is read at trace time, so JAX's caches are cleared around each."""
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(tree_lib, "RANK_SELECT_MAX",
+               {jax.default_backend(): 2048} if request.param == "ranks" else {})
+    jax.clear_caches()
+    yield request.param
+  jax.clear_caches()
+
+
 def log_softmax(logits):
   x = np.asarray(logits, np.float64)
   m = x.max(-1, keepdims=True)
@@ -199,8 +212,8 @@ def test_value_errors():
 
 @pytest.mark.parametrize("budget", [256, 512])
 def test_large_budget_jit(budget):
-  """B=256 ranks its 1466 pairs per depth; B=512's 3280 pairs exceed RANK_SELECT_MAX and take a
-  stable top-k instead of [P, P] matrices. Both equal the heap's tree."""
+  """With ranks, B=256 ranks its 1466 pairs per depth; B=512's 3280 pairs exceed the threshold and
+  take a stable top-k instead of [P, P] matrices (with sort: both). Both equal the heap's tree."""
   logits = np.random.default_rng(budget).standard_normal((15, 2000)).astype(np.float32) * 4
   tree = build_jit(jnp.asarray(logits), budget, None, jnp.int32(42))
   check_invariants(tree, logits, budget, root_token=42)
@@ -208,7 +221,7 @@ def test_large_budget_jit(budget):
   assert prefixes_of(tree) == ref
   p = len(tree_lib._pairs(budget, budget)[0])  # pylint: disable=protected-access
   hlo = jax.jit(lambda x: build_tree(x, budget)).lower(jnp.asarray(logits)).as_text()
-  assert (f"<{p}x{p}x" in hlo) == (p <= tree_lib.RANK_SELECT_MAX), p
+  assert (f"<{p}x{p}x" in hlo) == (p <= tree_lib.rank_select_max()), p
 
 
 @pytest.mark.parametrize("counts", [(6, 3, 2, 5), (1, 12, 1, 12), (16, 1, 16, 2)])
@@ -256,8 +269,8 @@ def test_chunked_top_k_equals_lax_top_k(n, k, chunk):
 
 @pytest.mark.parametrize("p,k", [(1, 1), (7, 7), (130, 32), (280, 64), (3000, 64)])
 def test_select_top_equals_stable_top_k(p, k):
-  """Ranks (P <= RANK_SELECT_MAX) or the sort fallback (3000): lax.top_k(is_stable=True)'s values
-  and order, ties and -inf beam padding included, with the payloads carried along."""
+  """Ranks (P <= the threshold) or the sort (3000, or any P with sort): lax.top_k(is_stable=True)'s
+  values and order, ties and -inf beam padding included, with the payloads carried along."""
   rng = np.random.default_rng(p + k)
   x = np.round(rng.standard_normal(p) * 2) / 2  # heavy ties
   x[rng.permutation(p)[: p // 3]] = -np.inf

@@ -84,11 +84,12 @@ def _build_one(top_vals, top_toks, lse, root_token, budget: int, k: int) -> Draf
   # beam_d's ranks: 2 kernels per depth, where XLA made 3 of rank, pick and gather.
   # (Unrolled because as a scan XLA copied each depth's rows and the carry every depth:
   # docs/findings/tree-builder.md.)
-  # Past RANK_SELECT_MAX pairs (B > ~300) the [P, P] matrices cost more than a sort: select_top.
+  # Past rank_select_max() pairs (B > ~300 on a GPU, always on a CPU) the [P, P] matrices cost
+  # more than a sort: select_top.
   cand = score1[pj] + logq[1][pr] if depth > 1 else None  # [P]
   beams = [(score1, tok1, par1)]
   for d in range(1, depth):
-    if p > RANK_SELECT_MAX:
+    if p > rank_select_max():
       score, (tok, par) = select_top(cand, budget, (top_toks[d][pr], pj))
       beams.append((score, tok, par))
       if d + 1 < depth:
@@ -128,18 +129,26 @@ def _build_one(top_vals, top_toks, lse, root_token, budget: int, k: int) -> Draf
                    visibility=ancestor_closure(parents, depth))
 
 
-RANK_SELECT_MAX = 2048  # select_top compares all pairs up to this many candidates, sorts beyond
+# Per platform, the candidates up to which select_top compares all pairs; beyond, and on any
+# platform not listed, a stable sort: XLA:CPU sorts a row faster than it fills the [P, P] matrices
+# (docs/findings/tree-builder.md).
+RANK_SELECT_MAX = {"gpu": 2048}
+
+
+def rank_select_max() -> int:
+  """select_top's rank-or-sort threshold on the default backend (0: always sort)."""
+  return RANK_SELECT_MAX.get(jax.default_backend(), 0)
 
 
 def select_top(x, k: int, payloads=()):
   """The k largest entries of x [P] in descending order, ties to the lower index (a stable
   top-k), and the payloads [P] (int arrays) at them: (values [k], tuple of payloads [k]).
 
-  Up to RANK_SELECT_MAX candidates by ranks instead of a sort: rank i = #{j beating i}, then entry
-  r of the output is the candidate of rank r (a one-hot reduction): XLA:GPU sorts the whole row
-  for a top-k with k > 16 (docs/findings/tree-builder.md)."""
+  Up to rank_select_max() candidates by ranks instead of a sort: rank i = #{j beating i}, then
+  entry r of the output is the candidate of rank r (a one-hot reduction): XLA:GPU sorts the whole
+  row for a top-k with k > 16 (docs/findings/tree-builder.md)."""
   p = x.shape[-1]
-  if p > RANK_SELECT_MAX:
+  if p > rank_select_max():
     vals, idx = jax.lax.top_k(x, k, is_stable=True)
     return vals, tuple(pl[idx] for pl in payloads)
   pick = ranks(x)[None, :] == jnp.arange(k, dtype=jnp.int32)[:, None]  # [k, P], one True per row
