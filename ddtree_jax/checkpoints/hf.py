@@ -85,7 +85,7 @@ def read_config(path: str) -> dict[str, Any]:
 
 
 # Leaves kept in float32 whatever the weights' dtype.
-FLOAT32_LEAVES = ("router", "bias")
+FLOAT32_LEAVES = ("router", "bias", "router_bias")
 
 
 def _leaf_dtype(path, t, dtype):
