@@ -16,7 +16,8 @@ import pytest
 
 import ddtree_jax as dj
 from ddtree_jax.checkpoints.hf import Target
-from ddtree_jax.checkpoints.safetensors_io import CheckpointError, read_safetensors, write_safetensors
+from ddtree_jax.checkpoints.safetensors_io import (CheckpointError, read_safetensors,
+                                                   write_safetensors)
 from ddtree_jax.models import decoder, moe, quant
 from ddtree_jax.models.config import ModelConfig
 from ddtree_jax.models.registry import config_from_hf
@@ -243,7 +244,8 @@ def test_speculative_decoding_is_lossless(setup, method, budget, batch):
   assert res.tokens == ar
   assert_accepted(d, prompts, res, method, budget)
   # (a path of W tokens: its last node, at depth W - 1, sees no prefix row, only its ancestors)
-  assert max(a for row in res.stats["acceptance_lengths"] for a in row) >= target.config.sliding_window
+  longest = max(a for row in res.stats["acceptance_lengths"] for a in row)
+  assert longest >= target.config.sliding_window
 
 
 def test_the_random_drafter_on_the_pallas_kernels_is_lossless(setup):

@@ -13,8 +13,8 @@
 
 A routed expert's Linear stays quantized on the device (`quant.Int4Experts`, `quant.Fp8Experts`,
 `quant.Mxfp4Experts`: these views, stacked); any other quantized Linear is dequantized on the
-host in float32 when read. What is not implemented (activation quantization, asymmetric zero points, activation
-ordering, other bit widths or group sizes) is refused naming the field.
+host in float32 when read. What is not implemented (activation quantization, asymmetric zero
+points, activation ordering, other bit widths or group sizes) is refused naming the field.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""Grouped-query attention (Qwen3, Llama-3, the drafter): q/k/v projections with their norms and
-RoPE, and attention of new tokens over a cached prefix plus a masked block of themselves.
+"""Grouped-query attention (Qwen3, Llama-3, gpt-oss, the drafter): q/k/v projections with their
+norms (or biases) and RoPE, and attention of new tokens over a cached prefix plus a masked block
+of themselves (optionally a per-query sliding window and attention sinks).
 
 One signature serves every attention in the engine:
 

@@ -1,7 +1,7 @@
 """The decoder every family shares (Qwen3 dense or MoE, Llama-3, DeepSeek-V3 / Kimi-K2, the
-Qwen3.5 / Qwen3-Next hybrids), as pure functions over a registered-dataclass params pytree. A
-decoder layer is a mixer block and an MLP block, each of a layer kind chosen by its params: the
-mixer GQA attention (`attention.py`), multi-head latent attention (`mla.py`) or Gated DeltaNet
+Qwen3.5 / Qwen3-Next hybrids, gpt-oss), as pure functions over a registered-dataclass params
+pytree. A decoder layer is a mixer block and an MLP block, each of a layer kind chosen by its
+params: the mixer GQA attention (`attention.py`), multi-head latent attention (`mla.py`) or Gated DeltaNet
 (`gated_deltanet.py`), the MLP a dense SwiGLU or a mixture of experts (`moe.py`; shared experts
 are the layer's dense MLP beside its experts).
 

@@ -159,8 +159,8 @@ def reference(params: MoEParams, x, weights, experts):
   every = jnp.arange(e)
   gu = (jnp.einsum("rh,ehsi->resi", x, quant.dequantize(params.w_gate_up, x.dtype))
         + _rows(params.gate_up_bias, every, x.dtype))
-  y = (jnp.einsum("rei,eih->reh", _swiglu(gu, params.swiglu_clamp),
-                  quant.dequantize(params.w_down, x.dtype)) + _rows(params.down_bias, every, x.dtype))
+  y = jnp.einsum("rei,eih->reh", _swiglu(gu, params.swiglu_clamp),
+                 quant.dequantize(params.w_down, x.dtype)) + _rows(params.down_bias, every, x.dtype)
   here = experts < y.shape[1]
   picked = jnp.take_along_axis(y, jnp.where(here, experts, 0)[:, :, None], axis=1)  # [R, k, H]
   return _sum_ranks(jnp.where(here[:, :, None], picked, 0), weights)

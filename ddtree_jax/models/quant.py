@@ -66,7 +66,8 @@ class Fp8Experts:
 
 
 # e2m1 by its 4 bits (sign, 2 exponent bits, 1 mantissa bit)
-FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+              -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 MXFP4_BLOCK = 32  # inputs per e8m0 scale
 E8M0_BIAS = 127
 
