@@ -180,7 +180,8 @@ class Kernels:
     quantized = quant.is_quantized(params.w_gate_up)
     most = tuning.moe_decode_quant_max if quantized else tuning.moe_decode_max
     pairs = x.shape[0] * routing.top_k
-    if pairs > most or not moe_decode.supported(params, x.dtype):
+    # (gpt-oss's biased, clamped experts are not plain: XLA's stages, `moe.grouped`)
+    if pairs > most or not params.plain or not moe_decode.supported(params, x.dtype):
       return None
     return moe_decode.moe_decode(params, x, routing, weights, chosen,
                                  **moe_decode.launch(tuning, params, pairs, x.shape[1]),
@@ -329,22 +330,19 @@ def shard_moe(experts: Callable, mesh, rules=None) -> Callable:
                          and x.shape[0] % size(rules.batch) == 0) else None
     summed = tuple(a for a in (ep, mp) if a is not None)
 
-    def local(router, bias, gate_up, down, x):
-      weights, chosen = moe_lib.route(moe_lib.MoEParams(router, gate_up, down, bias), x, routing)
+    def local(p, x):
+      weights, chosen = moe_lib.route(p, x, routing)
       if ep is not None:  # this shard's experts: [first, first + E_loc)
-        e_loc = gate_up.shape[0]
+        e_loc = p.w_gate_up.shape[0]
         first = jax.lax.axis_index(ep) * e_loc
         mine = (chosen >= first) & (chosen < first + e_loc)
         chosen = jnp.where(mine, chosen - first, e_loc)
-      y = experts(moe_lib.MoEParams(router, gate_up, down), x, weights, chosen, routing)
+      y = experts(p, x, weights, chosen, routing)
       return jax.lax.psum(y, summed) if summed else y
 
     return jax.shard_map(local, mesh=mesh, check_vma=False,
-                         in_specs=(P(), P(), quant.spec_like(params.w_gate_up,
-                                                             P(ep, None, None, mp)),
-                                   quant.spec_like(params.w_down, P(ep, mp, None)), P(bt, None)),
-                         out_specs=P(bt, None))(params.router, params.bias, params.w_gate_up,
-                                                params.w_down, x)
+                         in_specs=(params.specs(ep, mp), P(bt, None)),
+                         out_specs=P(bt, None))(params, x)
 
   return wrapped
 

@@ -144,17 +144,23 @@ def oracle_counts(oracle, prompts, res):
   return multi, branch
 
 
+def prefilled(target, prompt, capacity=64):
+  """(hidden [1, T, H], a float32 cache of `capacity` rows holding the prompt's T rows)."""
+  from ddtree_jax.models import decoder  # pylint: disable=import-outside-toplevel
+  cache = decoder.init_target_cache(target.config, 1, capacity, jnp.float32)
+  t = len(prompt)
+  pos = jnp.arange(t)[None]
+  hidden, rows, _ = decoder.forward(target.params, target.config, jnp.asarray(prompt)[None], pos,
+                                    cache, decoder.causal_mask(jnp.array([t]), t), chain=True)
+  return hidden, decoder.commit(cache, rows, pos, jnp.array([t]))
+
+
 def cached_decode_logits(target, prompt, greedy):
   """Prompt prefill, then one cached step per given greedy token: the logits [len(greedy), V]
   of each step (what HF's generate reports as decode_logits)."""
   from ddtree_jax.models import decoder  # pylint: disable=import-outside-toplevel
   cfg, params = target.config, target.params
-  cache = decoder.init_target_cache(cfg, 1, 64, jnp.float32)
-  t = len(prompt)
-  pos = jnp.arange(t)[None]
-  hidden, rows, _ = decoder.forward(params, cfg, jnp.asarray(prompt)[None], pos, cache,
-                                    decoder.causal_mask(jnp.array([t]), t), chain=True)
-  cache = decoder.commit(cache, rows, pos, jnp.array([t]))
+  hidden, cache = prefilled(target, prompt)
   got = [decoder.lm_head(params, hidden[0, -1])]
   for tok in greedy[:-1]:
     hidden, rows, _ = decoder.forward(params, cfg, jnp.array([[tok]]), cache.lens[:, None],
@@ -162,6 +168,32 @@ def cached_decode_logits(target, prompt, greedy):
     cache = decoder.commit(cache, rows, jnp.zeros((1, 1), jnp.int32), jnp.array([1]))
     got.append(decoder.lm_head(params, hidden[0, 0]))
   return jnp.stack(got)
+
+
+def slot_server_tokens(target, drafter, prompts, limits, config):
+  """What a started `slots.SlotEngine(target, drafter, config)` streams for each of `prompts`
+  (all submitted before it starts; limits: each one's max_new_tokens), once all are done."""
+  import threading  # pylint: disable=import-outside-toplevel
+  from ddtree_jax.request import GenerateOptions  # pylint: disable=import-outside-toplevel
+  from ddtree_jax.serving import slots  # pylint: disable=import-outside-toplevel
+  engine = slots.SlotEngine(target, drafter, config)
+  got = [[] for _ in prompts]
+  done = [threading.Event() for _ in prompts]
+
+  def emit(i):
+    def call(toks, reason):
+      got[i].extend(toks)
+      if reason:
+        done[i].set()
+    return call
+  try:
+    for i, (p, n) in enumerate(zip(prompts, limits)):
+      engine.submit(p, GenerateOptions(max_new_tokens=n, stop_token_ids=()), emit(i))
+    engine.start()
+    assert all(d.wait(300) for d in done)
+  finally:
+    engine.stop()
+  return got
 
 
 def copy_fixture(tmp_path, name="qwen3_gqa"):

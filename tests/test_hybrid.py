@@ -6,7 +6,6 @@ the fixtures: tests/test_model.py."""
 import json
 import os
 import random
-import threading
 
 import jax
 import jax.numpy as jnp
@@ -22,14 +21,13 @@ from ddtree_jax.models import decoder
 from ddtree_jax.models.config import ModelConfig
 from ddtree_jax.models import gated_deltanet as gd
 from ddtree_jax.models.gated_deltanet import GDNDims
-from ddtree_jax.request import GenerateOptions
 from ddtree_jax.serving import slots
 from ddtree_jax.models.registry import config_from_hf
 from conftest import FIXTURES
 from experiments.perf import collectives
 from helpers import (assert_accepted, assert_close_rel, assert_lossless,
                      assert_real_drafter_lossless, drafter_and_ar, load_fixture, oracle_drafter,
-                     write_drafter)
+                     slot_server_tokens, write_drafter)
 
 M = 32
 PROMPTS = [[3, 17, 99, 4, 250, 31, 8], [42], [7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 9]]
@@ -179,25 +177,9 @@ def test_slot_server_requests_joining_and_leaving_get_ar_tokens(tmp_path):
   prompts = [[rng.randrange(2, 250) for _ in range(rng.randrange(1, 30))] for _ in range(5)]
   limits = [9, 3, 14, 6, 11]
   full = dj.generate(target, prompts, max_new_tokens=max(limits), stop_token_ids=()).tokens
-  engine = slots.SlotEngine(target, drafter, slots.SlotConfig(
+  got = slot_server_tokens(target, drafter, prompts, limits, slots.SlotConfig(
       method="ddtree", budget=8, slots=2, capacity=96, chunk_steps=2, max_chunk_steps=4,
       prompt_buckets=(32,)))
-  got = [[] for _ in prompts]
-  done = [threading.Event() for _ in prompts]
-
-  def emit(i):
-    def call(toks, reason):
-      got[i].extend(toks)
-      if reason:
-        done[i].set()
-    return call
-  try:
-    for i, (p, n) in enumerate(zip(prompts, limits)):
-      engine.submit(p, GenerateOptions(max_new_tokens=n, stop_token_ids=()), emit(i))
-    engine.start()
-    assert all(d.wait(300) for d in done)
-  finally:
-    engine.stop()
   assert got == [list(f[:n]) for f, n in zip(full, limits)]
 
 

@@ -85,7 +85,7 @@ def read_config(path: str) -> dict[str, Any]:
 
 
 # Leaves kept in float32 whatever the weights' dtype.
-FLOAT32_LEAVES = ("router", "bias")
+FLOAT32_LEAVES = ("router", "bias", "router_bias")
 
 
 def _leaf_dtype(path, t, dtype):
@@ -201,8 +201,8 @@ def load_target_params(path: str, cfg: ModelConfig, dtype, mesh=None, rules=None
 
 def load_target(path: str, dtype="bfloat16", mesh=None, rules=None, fuse_qkv: bool = True) -> Target:
   """Loads a Hugging Face directory of a registered family (`registry.supported()`: Qwen3 dense
-  or MoE, Llama, DeepSeek-V3 / Kimi-K2, Kimi K2.5 / K2.6), safetensors only. Quantized routed
-  experts (int4 pack-quantized, block FP8) stay quantized on the device whatever `dtype` and
+  or MoE, Llama, DeepSeek-V3 / Kimi-K2, Kimi K2.5 / K2.6, the Qwen3.5 hybrids, gpt-oss),
+  safetensors only. Quantized routed experts (int4 pack-quantized, block FP8, MXFP4) stay quantized on the device whatever `dtype` and
   compute in it (logged: `quantized.compute_notice`); other quantized Linears are dequantised to
   `dtype` (`checkpoints/quantized.py`).
 

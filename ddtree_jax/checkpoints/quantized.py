@@ -7,11 +7,14 @@
       symmetric, one scale per group of inputs, no zero point.
   FP8 block-quantized (DeepSeek-V3, Kimi-K2): `weight` float8_e4m3fn [out, in] and
       `weight_scale_inv` float32 [ceil(out/bo), ceil(in/bi)], one scale per block.
+  MXFP4 (gpt-oss, `quant_method: mxfp4`): each expert stack as `{name}_blocks` uint8
+      [E, out, in/32, 16] (two e2m1 values a byte, the low nibble first) and `{name}_scales`
+      uint8 [E, out, in/32] (e8m0 exponents); the experts' biases and every other tensor float.
 
-A routed expert's Linear stays quantized on the device (`quant.Int4Experts`, `quant.Fp8Experts`:
-these views, stacked); any other quantized Linear is dequantized on the host in float32 when
-read. What is not implemented (activation quantization, asymmetric zero points, activation
-ordering, other bit widths or group sizes) is refused naming the field.
+A routed expert's Linear stays quantized on the device (`quant.Int4Experts`, `quant.Fp8Experts`,
+`quant.Mxfp4Experts`: these views, stacked); any other quantized Linear is dequantized on the
+host in float32 when read. What is not implemented (activation quantization, asymmetric zero
+points, activation ordering, other bit widths or group sizes) is refused naming the field.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ class Quantization:
   inputs per int4 scale; None where the checkpoint has no such tensors."""
   fp8_block: tuple[int, int] | None = None
   int4_group: int | None = None
+  mxfp4: bool = False
 
 
 NONE = Quantization()
@@ -56,9 +60,14 @@ def from_config(raw: dict[str, Any], source: str) -> Quantization:
     return Quantization(fp8_block=_fp8_block(q, source))
   if method == "compressed-tensors":
     return Quantization(int4_group=_pack_quantized_group(q, source))
+  if method == "mxfp4":
+    if q.get("dequantize"):  # (an instruction to transformers' loader, not a format)
+      raise ValueError(f"{source}: mxfp4 quantization_config dequantize=True is not implemented "
+                       "(the experts are read as shipped, MXFP4)")
+    return Quantization(mxfp4=True)
   raise ValueError(f"{source}: unsupported quantization_config quant_method={method!r} "
                    "(supported: 'fp8' block-quantized e4m3, DeepSeek-V3's format; "
-                   "'compressed-tensors' pack-quantized int4)")
+                   "'compressed-tensors' pack-quantized int4; 'mxfp4', gpt-oss's experts)")
 
 
 def _fp8_block(q: dict[str, Any], source: str) -> tuple[int, int]:
@@ -209,6 +218,35 @@ def host_fp8(r, name: str, t) -> np.ndarray:
   return np.asarray(t).astype(np.float32) * full[:t.shape[0], :t.shape[1]]
 
 
+def mxfp4_views(r, name: str, experts: int, out_dim: int, in_dim: int) -> quant.Mxfp4Experts:
+  """An MXFP4 expert stack `name` (`{name}_blocks` [E, out, in/32, 16], `{name}_scales`
+  [E, out, in/32]) as an `Mxfp4Experts` of lazy views [E, in/2, out] / [E, in/32, out]."""
+  full = r.prefix + name
+  if not r.quantization.mxfp4:
+    raise CheckpointError(f"{r.where(full + '_blocks')} is MXFP4 but config.json has no "
+                          "quantization_config with quant_method 'mxfp4'")
+  if in_dim % quant.MXFP4_BLOCK:
+    raise CheckpointError(f"{r.where(full + '_blocks')}: the input dim {in_dim} is not a "
+                          f"multiple of MXFP4's blocks of {quant.MXFP4_BLOCK}")
+  g = in_dim // quant.MXFP4_BLOCK
+  for part in ("_blocks", "_scales"):
+    t = r.tensors.get(full + part)
+    if t is not None and np.dtype(t.dtype) != np.uint8:
+      raise CheckpointError(f"{r.where(full + part)} is {t.dtype}, MXFP4 stores uint8")
+  blocks = r.get(name + "_blocks", (experts, out_dim, g, quant.MXFP4_BLOCK // 2),
+                 lambda t: t.reshape(experts, out_dim, in_dim // 2).transpose(0, 2, 1))
+  scales = r.get(name + "_scales", (experts, out_dim, g), lambda t: t.transpose(0, 2, 1))
+  return quant.Mxfp4Experts(blocks=blocks, scales=scales)
+
+
+def _format(w) -> str:
+  if isinstance(w, quant.Int4Experts):
+    return f"int4 (groups of {w.group_size})"
+  if isinstance(w, quant.Fp8Experts):
+    return f"fp8 (blocks of {w.block[0]}x{w.block[1]})"
+  return f"mxfp4 (blocks of {quant.MXFP4_BLOCK})"
+
+
 def compute_notice(params, dtype) -> str | None:
   """What the quantized expert stacks in `params` compute in at `dtype` (None: there are none).
   Their products are formed in `dtype` from weights dequantized in registers (float32: the
@@ -218,8 +256,7 @@ def compute_notice(params, dtype) -> str | None:
   stacks = [w for w in jax.tree.leaves(params, is_leaf=quant.is_quantized) if quant.is_quantized(w)]
   if not stacks:
     return None
-  names = sorted({f"int4 (groups of {w.group_size})" if isinstance(w, quant.Int4Experts)
-                  else f"fp8 (blocks of {w.block[0]}x{w.block[1]})" for w in stacks})
+  names = sorted({_format(w) for w in stacks})
   dt = jnp.dtype(dtype)
   text = (f"{len(stacks)} routed expert stacks kept {' and '.join(names)} on the device; "
           f"their products in {dt.name}")

@@ -1,5 +1,6 @@
-"""Grouped-query attention (Qwen3, Llama-3, the drafter): q/k/v projections with their norms and
-RoPE, and attention of new tokens over a cached prefix plus a masked block of themselves.
+"""Grouped-query attention (Qwen3, Llama-3, gpt-oss, the drafter): q/k/v projections with their
+norms (or biases) and RoPE, and attention of new tokens over a cached prefix plus a masked block
+of themselves (optionally a per-query sliding window and attention sinks).
 
 One signature serves every attention in the engine:
 
@@ -32,7 +33,7 @@ def cache_layer(k_cache, v_cache, layer):
 
 
 def attend_xla(q, k_cache, v_cache, prefix_len, k_new, v_new, new_mask, *, scale, layer=None,
-               prefix_from=None):
+               prefix_from=None, sinks=None):
   """Plain-XLA masked attention, the reference for the Pallas kernel.
 
   Args:
@@ -45,6 +46,8 @@ def attend_xla(q, k_cache, v_cache, prefix_len, k_new, v_new, new_mask, *, scale
     scale: softmax scale (head_dim ** -0.5).
     prefix_from: [B, T] int32 or None: query t sees prefix rows from prefix_from[b, t] on only
       (a sliding window).
+    sinks: [Hq] or None: per query head a logit that joins every query's softmax denominator
+      and contributes no value (gpt-oss's attention sinks; not scaled).
   Returns:
     [B, T, Hq, D] in q's dtype. Softmax statistics are float32.
   """
@@ -60,10 +63,14 @@ def attend_xla(q, k_cache, v_cache, prefix_len, k_new, v_new, new_mask, *, scale
     pre_ok = pre_ok & (jnp.arange(s)[None, None, :] >= prefix_from[:, :, None])
   s_pre = jnp.where(pre_ok[:, None, None], s_pre * scale, NEG_INF)
   s_new = jnp.where(new_mask[:, None, None, :, :], s_new * scale, NEG_INF)
-  scores = jnp.concatenate([s_pre, s_new], axis=-1)
+  parts = [s_pre, s_new]
+  if sinks is not None:
+    parts.append(jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, hkv, g, 1, 1),
+                                  (b, hkv, g, t, 1)))
+  scores = jnp.concatenate(parts, axis=-1)
   probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
   out = (einsum_f32("bkgts,bksd->btkgd", probs[..., :s], v_cache)
-         + einsum_f32("bkgts,bskd->btkgd", probs[..., s:], v_new))
+         + einsum_f32("bkgts,bskd->btkgd", probs[..., s:s + t], v_new))
   return out.reshape(b, t, hq, d).astype(q.dtype)
 
 
@@ -71,11 +78,14 @@ def attend_xla(q, k_cache, v_cache, prefix_len, k_new, v_new, new_mask, *, scale
 # ("btskd", "btsi"): with it first XLA chose slower transposed GEMM outputs, and slicing the
 # stacked weight copies it every step (docs/findings/gemms-and-the-int8-drafter.md).
 def project_norm_rope(layer, h, cos, sin, *, eps):
-  """The q and k/v projections of h [B, T, H] (wq and wkv, or the fused wqkv), then `norm_rope`."""
+  """The q and k/v projections of h [B, T, H] (wq and wkv, or the fused wqkv; plus their biases
+  bq, bkv when the layer has them), then `norm_rope`."""
   if layer.wqkv is not None:
     q, kv = split_qkv(dense("bth,hnd->btnd", h, layer.wqkv), layer.wo.shape[0])
   else:
     q, kv = dense("bth,hnd->btnd", h, layer.wq), dense("bth,hskd->btskd", h, layer.wkv)
+  if layer.bq is not None:
+    q, kv = q + layer.bq.astype(q.dtype), kv + layer.bkv.astype(kv.dtype)
   return norm_rope(q, kv, layer.q_norm, layer.k_norm, cos, sin, eps=eps)
 
 
@@ -107,17 +117,26 @@ def attention_block(layer, cfg, x, h, cos, sin, k_cache, v_cache, prefix_len, ne
   """Residual GQA sub-block over x with h = its input RMSNorm (`decoder.attention_block`'s
   contract): -> x', the MLP's input norm of x' and the new rows' k, v [B, T, K, D]. Gated
   attention (Qwen3.5, Qwen3-Next) scales each head's output by sigmoid(h @ wq_gate) before o.
-  prefix_from [B, T]: each query's first visible prefix row (a sliding window: XLA's form)."""
-  # the Pallas q/k kernel rotates whole heads: partial rotary takes XLA's form
-  project = kernels.project_qkv if cfg.rope_dim == cfg.head_dim else project_norm_rope
+  prefix_from [B, T]: each query's first visible prefix row (a sliding window). gpt-oss's
+  layers add biases to q/k/v and o (bq, bkv, bo) and attention sinks (`attend_xla`'s sinks)."""
+  # The Pallas q/k kernel rotates whole heads and adds no bias: partial rotary and biased
+  # projections take XLA's form.
+  plain_qk = cfg.rope_dim == cfg.head_dim and layer.bq is None
+  project = kernels.project_qkv if plain_qk else project_norm_rope
   q, k, v = project(layer, h, cos, sin, eps=cfg.rms_norm_eps)
   kw = {} if cache_layer is None else {"layer": cache_layer}
   if prefix_from is not None:
     kw["prefix_from"] = prefix_from
-  attend = kernels.attend if prefix_from is None else attend_xla
+  if layer.sinks is not None:
+    kw["sinks"] = layer.sinks
+  # The Pallas tree attention has neither sliding windows nor sinks: those layers take XLA's
+  # form (on a mesh GSPMD splits it over the heads).
+  attend = kernels.attend if prefix_from is None and layer.sinks is None else attend_xla
   o = attend(q, k_cache, v_cache, prefix_len, k, v, new_mask, scale=cfg.attention_scale, **kw)
   if layer.wq_gate is not None:
     o = o * jax.nn.sigmoid(dense("bth,hnd->btnd", h, layer.wq_gate)).astype(o.dtype)
+  if layer.bo is not None:  # o's bias joins the residual first (the same sum, one add earlier)
+    x = x + layer.bo.astype(x.dtype)
   x, h = kernels.residual_norm(x, *merge_heads(o, layer.wo), layer.post_norm,
                                eps=cfg.rms_norm_eps)
   return x, h, k, v

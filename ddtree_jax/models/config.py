@@ -75,9 +75,18 @@ class ModelConfig:
   attn_output_gate: bool = False
   partial_rotary_factor: float = 1.0
   shared_expert_size: int = 0
-  # A DFlash drafter's "sliding_attention" layers see only keys within sliding_window - 1
-  # positions of the query (`window`).
+  # "sliding_attention" layers see only keys within sliding_window - 1 positions of the query
+  # (`window`): a DFlash drafter's, and a causal target's (gpt-oss: keys in (p - W, p]).
   sliding_window: int = 0
+  # gpt-oss: q/k/v/o projections with biases (attention_bias); a learned logit per query head
+  # that joins each softmax's denominator and adds no value (attention_sinks); routers and
+  # experts with biases (moe_bias); the experts' clamped SwiGLU of (alpha, limit),
+  # (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit)
+  # (swiglu_clamp; (): silu(gate) * up).
+  attention_bias: bool = False
+  attention_sinks: bool = False
+  moe_bias: bool = False
+  swiglu_clamp: tuple[float, float] = ()
 
   def __post_init__(self):
     if self.layer_types:
@@ -114,7 +123,8 @@ class ModelConfig:
   def window(self, layer: int) -> int | None:
     """W of a sliding_attention layer (None: full): a query at position p sees the keys at
     positions k with |p - k| < W, flash-attention's symmetric window (W - 1, W - 1) that the
-    DFlash reference asks for through transformers."""
+    DFlash reference asks for through transformers; in a causal target (its queries see no
+    later key) the keys in (p - W, p], as transformers' sliding-window causal mask."""
     if self.layer_types and self.layer_types[layer] == "sliding_attention":
       return self.sliding_window
     return None
@@ -208,12 +218,14 @@ class ModelConfig:
 
   def _yarn_inv_freq(self, inv: np.ndarray) -> np.ndarray:
     """YaRN: interpolated (inv / factor) below the correction range, extrapolated (inv) above,
-    a linear ramp between (HF's truncated correction range)."""
+    a linear ramp between (the range's ends rounded outwards unless truncate is 0, as HF)."""
     s, d = dict(self.rope_scaling), self.rope_dim
     factor, old_len = s["factor"], s["original_max_position_embeddings"]
     dim_of = lambda rot: d * math.log(old_len / (rot * 2 * math.pi)) / (2 * math.log(self.rope_theta))
-    low = max(math.floor(dim_of(s.get("beta_fast", 32.0))), 0)
-    high = min(math.ceil(dim_of(s.get("beta_slow", 1.0))), d - 1)
+    low, high = dim_of(s.get("beta_fast", 32.0)), dim_of(s.get("beta_slow", 1.0))
+    if s.get("truncate", 1.0):  # HF's default; gpt-oss ships truncate: false
+      low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
     high = high + 0.001 if low == high else high
     ramp = np.clip((np.arange(d // 2, dtype=np.float64) - low) / (high - low), 0, 1)
     extrapolate = 1 - ramp
@@ -228,7 +240,8 @@ _ROPE_FIELDS = {
     "llama3": (("factor", "low_freq_factor", "high_freq_factor",
                 "original_max_position_embeddings"), ()),
     "yarn": (("factor", "original_max_position_embeddings"),
-             ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor")),
+             ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor",
+              "truncate")),
 }
 
 
@@ -273,15 +286,16 @@ def positive_float(cfg: dict[str, Any], key: str, source: str, default: float) -
 def decoder_config(cfg: dict[str, Any], source: str, *, qk_norm: bool,
                    rope_types: tuple[str, ...] = ("llama3",),
                    family_fields: Callable[[], dict[str, Any]] = dict,
-                   layer_kinds: tuple[str, ...] = ("full_attention",)) -> ModelConfig:
+                   layer_kinds: tuple[str, ...] = ("full_attention",),
+                   attention_bias: bool = False) -> ModelConfig:
   """The ModelConfig of a config.json dict (`auto_map` and any code beside it never imported):
   the fields every family shares, checked, plus a family's own, which `family_fields()` parses
   once the shared ones are known to be there (ModelConfig fields; a head_dim among them replaces
   config.json's). Raises ValueError naming `source` on what is not implemented and on values out
-  of range."""
+  of range. attention_bias: the family reads q/k/v/o biases (config.json's field not refused)."""
   model_type = cfg.get("model_type")
   for key in _REFUSE_IF_TRUE:
-    if cfg.get(key):
+    if cfg.get(key) and not (attention_bias and key == "attention_bias"):
       raise ValueError(f"{source}: unsupported config field {key}={cfg[key]!r} for {model_type}")
   if cfg.get("hidden_act", "silu") != "silu":
     raise ValueError(f"{source}: unsupported hidden_act {cfg['hidden_act']!r} (only 'silu')")

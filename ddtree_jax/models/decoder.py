@@ -1,7 +1,7 @@
 """The decoder every family shares (Qwen3 dense or MoE, Llama-3, DeepSeek-V3 / Kimi-K2, the
-Qwen3.5 / Qwen3-Next hybrids), as pure functions over a registered-dataclass params pytree. A
-decoder layer is a mixer block and an MLP block, each of a layer kind chosen by its params: the
-mixer GQA attention (`attention.py`), multi-head latent attention (`mla.py`) or Gated DeltaNet
+Qwen3.5 / Qwen3-Next hybrids, gpt-oss), as pure functions over a registered-dataclass params
+pytree. A decoder layer is a mixer block and an MLP block, each of a layer kind chosen by its
+params: the mixer GQA attention (`attention.py`), multi-head latent attention (`mla.py`) or Gated DeltaNet
 (`gated_deltanet.py`), the MLP a dense SwiGLU or a mixture of experts (`moe.py`; shared experts
 are the layer's dense MLP beside its experts).
 
@@ -57,6 +57,11 @@ class LayerParams:
   gdn: gdn_lib.GDNParams | None = None  # a Gated DeltaNet mixer (then attention's are None)
   wq_gate: Array | None = None  # [H, N, D]: gated attention's output gate, sigmoid(h @ wq_gate)
   shared_gate: Array | None = None  # [H]: the shared expert's gate, sigmoid(h . shared_gate)
+  # gpt-oss: the q, k/v and o projections' biases, and a sink logit per query head
+  bq: Array | None = None     # [N, D]
+  bkv: Array | None = None    # [2, K, D]  (k, v)
+  bo: Array | None = None     # [H]
+  sinks: Array | None = None  # [N]
 
   def partition_specs(self, axes) -> LayerParams:
     """Query and kv heads over tp (wq, wkv split on heads, wo row-parallel), the MLP width over
@@ -82,12 +87,15 @@ class LayerParams:
                          post_norm=P(), mla=self.mla.partition_specs(axes), moe=moe, **mlp)
     hd = axes("heads", self.wq.shape[1], "query heads")
     kv = axes("kv_heads", self.wkv.shape[2], "kv heads")
+    heads = lambda x, *spec: None if x is None else P(*spec)
     return LayerParams(input_norm=P(), wq=weight_spec(self.wq, None, hd, None),
                        wkv=weight_spec(self.wkv, None, None, kv, None),
                        wo=weight_spec(self.wo, hd, None, None), q_norm=opt(self.q_norm),
                        k_norm=opt(self.k_norm), post_norm=P(), moe=moe,
                        wq_gate=None if self.wq_gate is None else weight_spec(self.wq_gate, None,
-                                                                             hd, None), **mlp)
+                                                                             hd, None),
+                       bq=heads(self.bq, hd, None), bkv=heads(self.bkv, None, kv, None),
+                       bo=opt(self.bo), sinks=heads(self.sinks, hd), **mlp)
 
 
 def fuse_qkv(params: Params) -> Params:
@@ -100,6 +108,8 @@ def fuse_qkv(params: Params) -> Params:
   def fuse(layer):
     if layer.wqkv is not None or layer.mla is not None or layer.gdn is not None:  # no q/k/v
       return layer
+    if layer.bq is not None:
+      raise ValueError("fuse_qkv: layers with q/k/v biases (gpt-oss) keep wq and wkv")
     if layer.wq is None or layer.wkv is None:
       raise ValueError("fuse_qkv: a layer has neither wqkv nor both wq and wkv")
     if isinstance(layer.wq, Int8Weight) or isinstance(layer.wkv, Int8Weight):
@@ -400,7 +410,14 @@ def init_params(cfg: ModelConfig, key, dtype=jnp.bfloat16, std: float = 0.02,
     return dict(w_gate_up=w(h, 2, shared) if shared else None,
                 w_down=w(shared, h) if shared else None, **gate, moe=moe_lib.init_params(
         jax.random.fold_in(key, 1 << 20 | layer), h, cfg.num_experts, cfg.moe_intermediate_size,
-        dtype, std, bias=cfg.scoring_func == "sigmoid", experts=experts, held=held_experts))
+        dtype, std, bias=cfg.scoring_func == "sigmoid", experts=experts, held=held_experts,
+        biases=cfg.moe_bias, swiglu_clamp=cfg.swiglu_clamp))
+
+  def extras(layer):  # gpt-oss's biases and sinks (drawn apart: other streams unchanged)
+    kb = iter(jax.random.split(jax.random.fold_in(key, 1 << 23 | layer), 4))
+    b = lambda *shape: random_weight(next(kb), shape, dtype, std)
+    out = dict(bq=b(n, d), bkv=b(2, k, d), bo=b(h)) if cfg.attention_bias else {}
+    return dict(out, sinks=b(n)) if cfg.attention_sinks else out
 
   def attention(layer):
     if cfg.is_recurrent(layer):
@@ -412,7 +429,7 @@ def init_params(cfg: ModelConfig, key, dtype=jnp.bfloat16, std: float = 0.02,
           cfg, jax.random.fold_in(key, 1 << 21 | layer), dtype, std))
     return dict(wq=w(h, n, d), wkv=w(h, 2, k, d), wo=w(n, d, h),
                 q_norm=ones(d) if cfg.qk_norm else None, k_norm=ones(d) if cfg.qk_norm else None,
-                **gate)
+                **gate, **extras(layer))
   layers = [LayerParams(input_norm=ones(h), post_norm=ones(h), **attention(layer), **mlp(layer))
             for layer in range(cfg.num_layers)]
   return Params(embed=w(cfg.vocab_size, h), layers=layers, final_norm=ones(h),

@@ -1,6 +1,9 @@
-"""Mixture-of-experts MLP (Qwen3-MoE, DeepSeekMoE): a float32 router (softmax top-k, or
+"""Mixture-of-experts MLP (Qwen3-MoE, DeepSeekMoE, gpt-oss): a float32 router (softmax top-k, or
 DeepSeek's sigmoid scores with a selection bias and group-limited top-k), and a dropless mixture
 of SwiGLU experts. DeepSeek's shared experts are a dense MLP beside it (`decoder.mlp_block`).
+gpt-oss's routers and experts have biases and its SwiGLU is clamped (`MoEParams.plain` False):
+those layers run XLA's stages here, whatever stages are passed (the Pallas GEMMs fuse a plain
+SwiGLU and take no bias).
 
 Every implementation has the contract `(params, x [R, H], weights [R, k], experts [R, k]) ->
 [R, H]`: each row's output is sum_j weights[r, j] * expert_{experts[r, j]}(x[r]), summed in rank
@@ -44,6 +47,18 @@ shape, dequantized inside the GEMM)."""
   w_gate_up: Array         # [E, H, 2, I]  (gate, up)
   w_down: Array            # [E, I, H]
   bias: Array | None = None  # [E] float32: DeepSeek's e_score_correction_bias (selection only)
+  # gpt-oss: the router's logit bias, the experts' gate/up and down biases, and the clamped
+  # SwiGLU's (alpha, limit) (`_swiglu`; (): silu(gate) * up)
+  router_bias: Array | None = None   # [E] float32, added to the router's logits
+  gate_up_bias: Array | None = None  # [E, 2, I]
+  down_bias: Array | None = None     # [E, H]
+  swiglu_clamp: tuple[float, float] = dataclasses.field(default=(), metadata=dict(static=True))
+
+  @property
+  def plain(self) -> bool:
+    """No biases and a plain SwiGLU: what the Pallas expert and decode kernels compute."""
+    return (self.router_bias is None and self.gate_up_bias is None and self.down_bias is None
+            and not self.swiglu_clamp)
 
   def partition_specs(self, axes) -> MoEParams:
     """Experts E over ep, their width I over tp (a quantized stack's packed words, scale
@@ -53,9 +68,17 @@ shape, dequantized inside the GEMM)."""
     ml = None
     for size in quant.split_sizes(self.w_gate_up, 3) + quant.split_sizes(self.w_down, 1):
       ml = axes("mlp", size, "moe_intermediate_size (or its packed words or scale groups)")
+    return self.specs(ep, ml)
+
+  def specs(self, ep, ml) -> MoEParams:
+    """PartitionSpecs of every leaf: experts over mesh axis ep, their width over ml (None:
+    replicated); the router and its biases replicated."""
+    opt = lambda x, *spec: None if x is None else P(*spec)
     return MoEParams(router=P(), w_gate_up=quant.spec_like(self.w_gate_up, P(ep, None, None, ml)),
-                     w_down=quant.spec_like(self.w_down, P(ep, ml, None)),
-                     bias=None if self.bias is None else P())
+                     w_down=quant.spec_like(self.w_down, P(ep, ml, None)), bias=opt(self.bias),
+                     router_bias=opt(self.router_bias),
+                     gate_up_bias=opt(self.gate_up_bias, ep, None, ml),
+                     down_bias=opt(self.down_bias, ep, None), swiglu_clamp=self.swiglu_clamp)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,9 +99,10 @@ class Routing:
 
 
 def router_logits(params: MoEParams, x):
-  """The router's logits of x [R, H] in float32: [R, E]."""
-  return einsum_weight("rh,he->re", x.astype(jnp.float32), params.router.astype(jnp.float32),
-                       precision=jax.lax.Precision.HIGHEST)  # (one row: a GEMM, not mul + reduce)
+  """The router's logits of x [R, H] in float32 (plus gpt-oss's router bias): [R, E]."""
+  logits = einsum_weight("rh,he->re", x.astype(jnp.float32), params.router.astype(jnp.float32),
+                         precision=jax.lax.Precision.HIGHEST)  # (one row: a GEMM, not mul + reduce)
+  return logits if params.router_bias is None else logits + params.router_bias.astype(jnp.float32)
 
 
 def route(params: MoEParams, x, routing: Routing):
@@ -113,15 +137,30 @@ def select(logits, bias, routing: Routing, dtype):
   return weights.astype(dtype), experts.astype(jnp.int32)
 
 
-def _swiglu(gu):
-  """[..., 2, I] (gate, up) -> silu(gate) * up [..., I]."""
-  return jax.nn.silu(gu[..., 0, :]) * gu[..., 1, :]
+def _swiglu(gu, clamp=()):
+  """[..., 2, I] (gate, up) -> silu(gate) * up [..., I]; with clamp = (alpha, limit) gpt-oss's
+  (clip(up, -limit, limit) + 1) * (g * sigmoid(alpha * g)), g = min(gate, limit)."""
+  gate, up = gu[..., 0, :], gu[..., 1, :]
+  if not clamp:
+    return jax.nn.silu(gate) * up
+  alpha, limit = clamp
+  gate = jnp.minimum(gate, limit)
+  return (jnp.clip(up, -limit, limit) + 1) * (gate * jax.nn.sigmoid(gate * alpha))
+
+
+def _rows(bias, ids, dtype):
+  """Each pair's row of a per-expert bias [E, ...] (ids [M] of experts < E), or 0 without one."""
+  return 0 if bias is None else bias[ids].astype(dtype)
 
 
 def reference(params: MoEParams, x, weights, experts):
   """Every expert on every row (E x the work), then each row's k outputs in rank order."""
-  gu = jnp.einsum("rh,ehsi->resi", x, quant.dequantize(params.w_gate_up, x.dtype))
-  y = jnp.einsum("rei,eih->reh", _swiglu(gu), quant.dequantize(params.w_down, x.dtype))
+  e = params.w_gate_up.shape[0]
+  every = jnp.arange(e)
+  gu = (jnp.einsum("rh,ehsi->resi", x, quant.dequantize(params.w_gate_up, x.dtype))
+        + _rows(params.gate_up_bias, every, x.dtype))
+  y = jnp.einsum("rei,eih->reh", _swiglu(gu, params.swiglu_clamp),
+                 quant.dequantize(params.w_down, x.dtype)) + _rows(params.down_bias, every, x.dtype)
   here = experts < y.shape[1]
   picked = jnp.take_along_axis(y, jnp.where(here, experts, 0)[:, :, None], axis=1)  # [R, k, H]
   return _sum_ranks(jnp.where(here[:, :, None], picked, 0), weights)
@@ -144,12 +183,13 @@ def sort_pairs(experts, num_experts: int):
   return order, sizes[:num_experts]
 
 
-def xla_gate_up(xs, w_gate_up, sizes):
-  """xs [M, H] sorted pairs, w_gate_up [E, H, 2, I], sizes [E] -> silu(gate) * up [M, I]."""
+def xla_gate_up(xs, w_gate_up, sizes, bias=0, clamp=()):
+  """xs [M, H] sorted pairs, w_gate_up [E, H, 2, I], sizes [E] -> silu(gate) * up [M, I];
+  bias [M, 2, I]: each pair's gate/up bias, clamp: `_swiglu`'s (gpt-oss)."""
   e, h, _, i = w_gate_up.shape
   w = quant.dequantize(w_gate_up, xs.dtype)
   gu = jax.lax.ragged_dot(xs, w.reshape(e, h, 2 * i), sizes)
-  return _swiglu(gu.reshape(-1, 2, i)).astype(xs.dtype)
+  return _swiglu(gu.reshape(-1, 2, i) + bias, clamp).astype(xs.dtype)
 
 
 def xla_combine(y, position, weights):
@@ -176,25 +216,33 @@ class ExpertOps:
 
 def grouped(params: MoEParams, x, weights, experts, ops: ExpertOps = ExpertOps()):
   """The (row, expert) pairs sorted by expert through `ops` (XLA's ragged_dot by default; the
-  Pallas kernels: `pallas.grouped_gemm.expert_ops`), then each row's pairs summed in rank order."""
+  Pallas kernels: `pallas.grouped_gemm.expert_ops`), then each row's pairs summed in rank order.
+  Experts that are not `plain` (gpt-oss) take XLA's stages with each pair's biases."""
   r, k = experts.shape
   e = params.w_gate_up.shape[0]
   order, sizes = sort_pairs(experts, e)
   xs = x[order // k]                                                   # [R*k, H]
-  y = ops.down(ops.gate_up(xs, params.w_gate_up, sizes), params.w_down, sizes)  # [R*k, H]
+  if params.plain:
+    y = ops.down(ops.gate_up(xs, params.w_gate_up, sizes), params.w_down, sizes)  # [R*k, H]
+  else:  # (rows of elsewhere pairs, sorted last, are undefined either way)
+    ids = jnp.minimum(experts.reshape(-1)[order], e - 1)
+    a = xla_gate_up(xs, params.w_gate_up, sizes, _rows(params.gate_up_bias, ids, xs.dtype),
+                    params.swiglu_clamp)
+    y = xla_down(a, params.w_down, sizes) + _rows(params.down_bias, ids, xs.dtype)
   position = jnp.zeros_like(order).at[order].set(jnp.arange(r * k, dtype=order.dtype))
   position = jnp.where(experts < e, position.reshape(r, k), -1)
   return ops.combine(y, position, weights.astype(jnp.float32)).astype(x.dtype)
 
 
-def xla_pair_gate_up(x, w_gate_up, experts):
+def xla_pair_gate_up(x, w_gate_up, experts, bias=0, clamp=()):
   """x [R, H], w_gate_up [E, H, 2, I], experts [R, k] (E: elsewhere) -> silu(gate) * up per
-  pair p = r * k + j [R*k, I], each pair's expert gathered (elsewhere pairs: zeros)."""
+  pair p = r * k + j [R*k, I], each pair's expert gathered (elsewhere pairs: zeros); bias
+  [R*k, 2, I] and clamp as `xla_gate_up`'s."""
   e, k = w_gate_up.shape[0], experts.shape[1]
   flat = experts.reshape(-1)
   w = quant.dequantize(quant.take(w_gate_up, jnp.minimum(flat, e - 1)), x.dtype)
-  gu = jnp.einsum("ph,phsi->psi", jnp.repeat(x, k, axis=0), w)
-  return jnp.where((flat < e)[:, None], _swiglu(gu), 0).astype(x.dtype)
+  gu = jnp.einsum("ph,phsi->psi", jnp.repeat(x, k, axis=0), w) + bias
+  return jnp.where((flat < e)[:, None], _swiglu(gu, clamp), 0).astype(x.dtype)
 
 
 def xla_pair_down(a, w_down, experts):
@@ -216,8 +264,15 @@ class PairOps:
 def pairs(params: MoEParams, x, weights, experts, ops: PairOps = PairOps()):
   """Pair by pair through `ops`, no sort, then each row's k pairs summed in rank order. An
   expert two rows choose is read twice: for steps of few pairs (a decode step; the Pallas
-  kernels: `pallas.grouped_gemm.pair_ops`)."""
-  y = ops.down(ops.gate_up(x, params.w_gate_up, experts), params.w_down, experts)
+  kernels: `pallas.grouped_gemm.pair_ops`). Experts that are not `plain` (gpt-oss) take XLA's
+  stages with each pair's biases."""
+  if params.plain:
+    y = ops.down(ops.gate_up(x, params.w_gate_up, experts), params.w_down, experts)
+  else:
+    ids = jnp.minimum(experts.reshape(-1), params.w_gate_up.shape[0] - 1)
+    a = xla_pair_gate_up(x, params.w_gate_up, experts, _rows(params.gate_up_bias, ids, x.dtype),
+                         params.swiglu_clamp)
+    y = xla_pair_down(a, params.w_down, experts) + _rows(params.down_bias, ids, x.dtype)
   return sum_pairs(y, weights, experts, params.w_gate_up.shape[0]).astype(x.dtype)
 
 
@@ -240,14 +295,23 @@ EXPERT_FORMATS = ("float", "int4", "fp8")
 
 def init_params(key, hidden: int, num_experts: int, intermediate: int, dtype,
                 std: float = 0.02, bias: bool = False, experts: str = "float",
-                held: int | None = None) -> MoEParams:
+                held: int | None = None, biases: bool = False,
+                swiglu_clamp: tuple[float, float] = ()) -> MoEParams:
   """Random experts (benchmarks and tests) in `experts` format: float (`dtype`), int4 or fp8
   (drawn in the format: `quant.random_int4`, `quant.random_fp8`); the router (and bias) in
   float32. held: the stacks hold only the first `held` of the num_experts the router picks
-  from (one device's share under expert parallelism: pairs for the others are elsewhere)."""
+  from (one device's share under expert parallelism: pairs for the others are elsewhere).
+  biases, swiglu_clamp: gpt-oss's router and expert biases and clamped SwiGLU."""
   if experts not in EXPERT_FORMATS:
     raise ValueError(f"experts={experts!r}: choose one of {EXPERT_FORMATS}")
   k1, k2, k3 = jax.random.split(key, 3)
+  extra = {}
+  if biases:  # (drawn apart: the other leaves' streams unchanged)
+    kb = jax.random.split(jax.random.fold_in(key, 5), 3)
+    n = held or num_experts
+    extra = dict(router_bias=std * jax.random.normal(kb[0], (num_experts,), jnp.float32),
+                 gate_up_bias=random_weight(kb[1], (n, 2, intermediate), dtype, std),
+                 down_bias=random_weight(kb[2], (n, hidden), dtype, std))
   w = {"float": lambda k, *shape: random_weight(k, shape, dtype, std),
        "int4": lambda k, *shape: quant.random_int4(k, shape, std=std),
        "fp8": lambda k, *shape: quant.random_fp8(k, shape, std=std)}[experts]
@@ -255,4 +319,5 @@ def init_params(key, hidden: int, num_experts: int, intermediate: int, dtype,
                    w_gate_up=w(k2, held or num_experts, hidden, 2, intermediate),
                    w_down=w(k3, held or num_experts, intermediate, hidden),
                    bias=(0.1 * jax.random.normal(jax.random.fold_in(key, 4), (num_experts,),
-                                                 jnp.float32) if bias else None))
+                                                 jnp.float32) if bias else None),
+                   swiglu_clamp=tuple(swiglu_clamp), **extra)

@@ -1,11 +1,13 @@
 """Expert stacks kept quantized on the device: what a mixture-of-experts layer reads each step is
 its experts' bytes, so the format the checkpoint ships in (4 or 8 bits a weight) stays the format
-in memory and the GEMM dequantizes. Two formats, each as published:
+in memory and the GEMM dequantizes. Three formats, each as published:
 
   Int4Experts  compressed-tensors `pack-quantized` W4A16 (Kimi K2.5 / K2.6): symmetric int4 in
                groups of `group_size` inputs, one scale per group and output channel.
   Fp8Experts   DeepSeek-V3's block-quantized FP8 (e4m3, one float32 scale per block of
                block[0] inputs x block[1] outputs).
+  Mxfp4Experts gpt-oss's MXFP4 (OCP microscaling: e2m1 values two to a byte, one e8m0 exponent
+               per block of 32 inputs).
 
 A stack is [E, K, out...] like a float expert stack (K the contracted input dim: H for gate/up,
 I for down; out... = (2, I) for gate/up, (H,) for down), so every leaf has the experts on axis 0
@@ -63,7 +65,32 @@ class Fp8Experts:
     return Fp8Experts(q=fn(self.q), scale=fn(self.scale), block=self.block)
 
 
-QUANTIZED = (Int4Experts, Fp8Experts)
+# e2m1 by its 4 bits (sign, 2 exponent bits, 1 mantissa bit)
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+              -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+MXFP4_BLOCK = 32  # inputs per e8m0 scale
+E8M0_BIAS = 127
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Mxfp4Experts:
+  """w[e, k, o...] = FP4_VALUES[nibble(k)] * 2 ** (scales[e, k // 32, o...] - 127), nibble(k)
+  the low 4 bits of blocks[e, k // 2, o...] for even k, the high 4 for odd k (as gpt-oss ships
+  them, the contracted dim moved before the outputs)."""
+  blocks: Array            # uint8 [E, K/2, out...]
+  scales: Array            # uint8 [E, K/32, out...]
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    s = self.blocks.shape
+    return (s[0], s[1] * 2) + tuple(s[2:])
+
+  def with_leaves(self, fn) -> Mxfp4Experts:
+    return Mxfp4Experts(blocks=fn(self.blocks), scales=fn(self.scales))
+
+
+QUANTIZED = (Int4Experts, Fp8Experts, Mxfp4Experts)
 
 
 def is_quantized(w) -> bool:
@@ -83,9 +110,28 @@ def unpack_int4(packed):
   return (nibbles.reshape((s[0], s[1] * NIBBLES) + tuple(s[2:])) - INT4_OFFSET).astype(jnp.int8)
 
 
+def e8m0_scale(scales):
+  """uint8 e8m0 exponents -> float32 2 ** (s - 127), exactly (the float32 with those exponent
+  bits; s = 0 is the subnormal 2 ** -127, s = 255 gives inf, as HF's ldexp)."""
+  s = scales.astype(jnp.int32)
+  normal = jax.lax.bitcast_convert_type(s << 23, jnp.float32)
+  return jnp.where(s == 0, jnp.float32(2.0 ** -127), normal)
+
+
+def unpack_fp4(blocks):
+  """uint8 [E, K/2, out...] -> the e2m1 values [E, K, out...] float32 (low nibble first)."""
+  lut = jnp.asarray(FP4_VALUES, jnp.float32)
+  pair = jnp.stack([lut[blocks & 0xF], lut[blocks >> 4]], axis=2)   # [E, K/2, 2, out...]
+  s = blocks.shape
+  return pair.reshape((s[0], s[1] * 2) + tuple(s[2:]))
+
+
 def dequantize(w, dtype):
   """The float stack [E, K, out...] in `dtype` (a float array passes through, cast): products
   formed in float32, then cast once."""
+  if isinstance(w, Mxfp4Experts):
+    scale = jnp.repeat(e8m0_scale(w.scales), MXFP4_BLOCK, axis=1)
+    return (unpack_fp4(w.blocks) * scale).astype(dtype)
   if isinstance(w, Int4Experts):
     q = unpack_int4(w.packed).astype(jnp.float32)
     scale = jnp.repeat(w.scale.astype(jnp.float32), w.group_size, axis=1)

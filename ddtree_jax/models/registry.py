@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ddtree_jax.models import deepseek_v3, kimi_k25, qwen3, qwen3_5, qwen3_moe
+from ddtree_jax.models import deepseek_v3, gpt_oss, kimi_k25, qwen3, qwen3_5, qwen3_moe
 from ddtree_jax.models.config import ModelConfig
 from ddtree_jax.models.family import Family
 
@@ -49,5 +49,5 @@ def config_from_hf(cfg: dict[str, Any], source: str = "config.json") -> ModelCon
 
 
 for _family in (qwen3.QWEN3, qwen3.LLAMA, qwen3_moe.FAMILY, deepseek_v3.FAMILY, kimi_k25.FAMILY,
-                qwen3_5.FAMILY):
+                qwen3_5.FAMILY, gpt_oss.FAMILY):
   register(_family)
